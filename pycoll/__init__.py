@@ -1,0 +1,14 @@
+"""pycoll: collective communication (allreduce and friends) for distributed training, in Python."""
+from .comm import Communicator
+from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
+from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
+from .work import Work
+from .world import allreduce, barrier, default_comm, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
+    "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
+    "init", "default_comm", "allreduce", "barrier",
+]

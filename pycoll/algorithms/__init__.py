@@ -1,0 +1,1 @@
+"""Collective algorithms, written against Channel only (no sockets, no transports)."""

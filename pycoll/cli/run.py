@@ -1,0 +1,279 @@
+"""`pycoll run`: start N local ranks of a script with the torchrun variables set.
+
+Like torchrun's agent, the launcher on node 0 serves the rendezvous store itself, so every
+rank (rank 0 included) is a client and the store outlives any one rank. Each rank's output
+is prefixed with `[rank R] `. The first rank to fail brings the whole job down, so no rank
+hangs forever in a collective waiting for a dead peer, and each rank runs in its own
+process group, so teardown also reaches the processes a rank started.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Dict, List, Optional
+
+from ..bootstrap.store import TCPStoreServer
+from ..errors import StoreError
+
+MULTINODE_PORT = 29500  # the default master port when other nodes must know it in advance
+GRACE_S = 5.0  # how long ranks get between SIGTERM and SIGKILL at teardown
+TIMEOUT_EXIT = 124  # exit code when --timeout expires, as timeout(1) uses
+_POLL_S = 0.05
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_OUTPUT_LOCK = threading.Lock()  # one lock for stdout and stderr: whole lines, never mixed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `pycoll run` argument parser; everything after the script is left for the script."""
+    p = argparse.ArgumentParser(
+        prog="pycoll run", allow_abbrev=False,
+        description="Start N local ranks of a script (or module, or command) with RANK, "
+                    "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ... set, torchrun style.")
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
+                   metavar="N", help="ranks to start on this node (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="K", help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
+                   help="this node's index in 0..K-1 (default 0); node 0 serves the store")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+                   metavar="A", help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   metavar="P", help=f"store port on node 0 (default: a free port with one node, "
+                                     f"{MULTINODE_PORT} with several)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help=f"kill the job and exit {TIMEOUT_EXIT} if it runs longer than S seconds")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the target as a Python module (python -m target)")
+    p.add_argument("target", nargs="?", metavar="script.py|module|command",
+                   help="a .py file runs with this Python; anything else runs as a command")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
+    return p
+
+
+def main(argv: List[str]) -> int:
+    """Run `pycoll run ARGV`; return the job's exit code (2 for bad arguments)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        _check(parser, args)
+        cmd = _command(parser, args)
+        token = _job_token(parser, args)
+    except SystemExit as e:  # argparse exits on bad input or --help; the caller wants a code
+        return int(e.code or 0)
+    port = args.master_port
+    if port is None:
+        port = 0 if args.nnodes == 1 else MULTINODE_PORT
+    server = None
+    if args.node_rank == 0:
+        host = "::" if ":" in args.master_addr else "0.0.0.0"
+        try:
+            server = TCPStoreServer(host=host, port=port,
+                                    token=bytes.fromhex(token) if token is not None else None)
+        except StoreError as e:
+            _say(str(e))
+            return 1
+        port = server.port
+    try:
+        return _Job(args, cmd, port, token).run()
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject arguments that cannot describe a job, before anything starts."""
+    if args.nproc < 1:
+        parser.error(f"-n/--nproc-per-node must be at least 1, not {args.nproc}")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes must be at least 1, not {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank must be in 0..{args.nnodes - 1}, not {args.node_rank}")
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        parser.error(f"--master-port must be in 0..65535, not {args.master_port}")
+    if args.master_port == 0 and args.nnodes > 1:
+        parser.error("--master-port 0 (a random port) works only with --nnodes 1: "
+                     "the other nodes must know the port in advance")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
+    """The argv every rank runs: `python -m mod`, `python script.py` or a plain command."""
+    if args.target is None:
+        parser.error("missing the script, module (-m) or command to run")
+    if args.module:
+        return [sys.executable, "-m", args.target, *args.args]
+    if args.target.endswith(".py"):
+        if not os.path.isfile(args.target):
+            parser.error(f"script not found: {args.target}")
+        return [sys.executable, args.target, *args.args]
+    if shutil.which(args.target) is None:
+        parser.error(f"command not found: {args.target}")
+    return [args.target, *args.args]
+
+
+def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[str]:
+    """The hex job token the store demands; several nodes must share it, so it comes from env."""
+    if args.nnodes == 1:
+        return secrets.token_bytes(32).hex()
+    token = os.environ.get("PYCOLL_JOB_TOKEN")
+    if token is None:
+        _say("warning: PYCOLL_JOB_TOKEN is not set, so node 0's store admits any client; "
+             "export the same secret (e.g. `openssl rand -hex 32`) on every node")
+        return None
+    try:
+        bytes.fromhex(token)
+    except ValueError:
+        parser.error("PYCOLL_JOB_TOKEN must be hex digits")
+    return token
+
+
+class _Job:
+    """This node's ranks: start them, relay their output, watch them, and tear them all down."""
+
+    def __init__(self, args: argparse.Namespace, cmd: List[str], port: int,
+                 token: Optional[str]) -> None:
+        self.args, self.cmd, self.port, self.token = args, cmd, port, token
+        self.procs: Dict[int, subprocess.Popen] = {}  # global rank -> process
+        self.pumps: Dict[int, List[threading.Thread]] = {}
+        self.signals: List[int] = []  # signals the launcher received, to forward
+
+    def run(self) -> int:
+        """Start every rank and supervise them; always leaves no rank or rank's child behind."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._on_signal) for s in _HANDLED_SIGNALS} if in_main else {}
+        try:
+            for local_rank in range(self.args.nproc):
+                rank = self.args.node_rank * self.args.nproc + local_rank
+                try:
+                    self._spawn(rank, local_rank)
+                except OSError as e:
+                    _say(f"cannot start rank {rank} ({' '.join(self.cmd)}): {e}")
+                    return 1
+            return self._supervise()
+        finally:
+            self._stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+
+    def _env(self, rank: int, local_rank: int) -> Dict[str, str]:
+        a = self.args
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(a.nproc * a.nnodes),
+                   LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
+                   GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
+                   MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.port),
+                   PYCOLL_STORE_HOSTED="1", PYTHONUNBUFFERED="1")
+        if self.token is not None:
+            env["PYCOLL_JOB_TOKEN"] = self.token
+        return env
+
+    def _spawn(self, rank: int, local_rank: int) -> None:
+        proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.procs[rank] = proc
+        prefix = f"[rank {rank}] ".encode()
+        self.pumps[rank] = [threading.Thread(target=_pump, args=(src, dst, prefix), daemon=True,
+                                             name=f"pycoll-run-rank{rank}")
+                            for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for t in self.pumps[rank]:
+            t.start()
+
+    def _supervise(self) -> int:
+        """Wait for every rank; the first failure, a signal or the timeout ends the job."""
+        deadline = None if self.args.timeout is None else time.monotonic() + self.args.timeout
+        running = dict(self.procs)
+        while running:
+            if self.signals:
+                signum = self.signals[0]
+                _say(f"received {signal.Signals(signum).name}; stopping all ranks")
+                self._stop(signum)
+                return 128 + signum
+            for rank, proc in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[rank]
+                if code != 0:
+                    self._join_output(rank)  # its last words (a traceback) come before our verdict
+                    how = (f"was killed by signal {_signal_name(-code)}" if code < 0
+                           else f"exited with code {code}")
+                    _say(f"rank {rank} (pid {proc.pid}) {how}; stopping all ranks")
+                    self._stop()
+                    return code if code > 0 else 128 - code
+            if deadline is not None and time.monotonic() >= deadline:
+                _say(f"the job ran past --timeout {self.args.timeout:g} s; killing all ranks")
+                self._stop()
+                return TIMEOUT_EXIT
+            time.sleep(_POLL_S)
+        return 0
+
+    def _stop(self, first: int = signal.SIGTERM) -> None:
+        """Send `first` to live ranks, SIGKILL after GRACE_S, then SIGKILL every rank's group."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for proc in live:
+            _killpg(proc.pid, first)
+        deadline = time.monotonic() + GRACE_S
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():  # leftovers: ranks past the grace and their children
+            _killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+        for rank in self.procs:
+            self._join_output(rank)
+
+    def _join_output(self, rank: int) -> None:
+        for t in self.pumps[rank]:
+            t.join(timeout=2.0)
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _pump(src: IO[bytes], dst: IO[str], prefix: bytes) -> None:
+    """Copy a rank's pipe to our stream line by line, each line prefixed and written whole."""
+    with src:
+        for line in iter(src.readline, b""):
+            _write(dst, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+
+def _write(stream: IO[str], data: bytes) -> None:
+    with _OUTPUT_LOCK:
+        try:
+            raw = getattr(stream, "buffer", None)
+            if raw is not None:
+                raw.write(data)
+                raw.flush()
+            else:  # a text-only stream, e.g. one that pytest substituted
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+        except (OSError, ValueError):
+            pass  # our own output is gone (closed pipe); keep draining so no rank blocks on it
+
+
+def _say(message: str) -> None:
+    """Print a launcher message on stderr, in whole lines like the ranks' output."""
+    _write(sys.stderr, f"pycoll run: {message}\n".encode())

@@ -1,0 +1,94 @@
+"""Reduction operators and the dtype table (numpy dtypes plus bfloat16 via ml_dtypes)."""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Dict, Union
+
+import numpy as np
+
+try:
+    import ml_dtypes
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency, this is belt and braces
+    bfloat16 = None
+
+_DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+# wire code of each dtype; 0 means raw bytes (p2p of arbitrary buffers)
+DTYPE_CODES: Dict[np.dtype, int] = {np.dtype(t): i + 1 for i, t in enumerate(_DTYPES)}
+if bfloat16 is not None:
+    DTYPE_CODES[bfloat16] = 64
+
+
+class ReduceOp(enum.Enum):
+    """The reductions every collective supports (torch.distributed / MPI names)."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+SUM, PROD, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG
+BAND, BOR, BXOR = ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR
+
+_ALIASES = {"product": "prod", "mean": "avg", "average": "avg"}
+_UFUNCS: Dict[ReduceOp, Callable] = {
+    SUM: np.add, AVG: np.add, PROD: np.multiply, MIN: np.minimum, MAX: np.maximum,
+    BAND: np.bitwise_and, BOR: np.bitwise_or, BXOR: np.bitwise_xor,
+}
+_BITWISE = (BAND, BOR, BXOR)
+
+
+def as_op(op: Union[ReduceOp, str]) -> ReduceOp:
+    """Accept a ReduceOp or its name in any case ('sum', 'MAX', 'product')."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        name = op.lower()
+        try:
+            return ReduceOp(_ALIASES.get(name, name))
+        except ValueError:
+            pass
+    raise ValueError(f"unknown reduction op {op!r}; use one of {[o.value for o in ReduceOp]}")
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """The wire code of a dtype; TypeError for dtypes no collective supports."""
+    try:
+        return DTYPE_CODES[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} is not supported by pycoll collectives "
+                        f"(supported: {sorted(str(d) for d in DTYPE_CODES)})") from None
+
+
+def check_op(op: ReduceOp, dtype: np.dtype) -> None:
+    """TypeError when the op does not fit the dtype (bitwise on floats, ordering on complex)."""
+    dtype = np.dtype(dtype)
+    dtype_code(dtype)
+    if op in _BITWISE and dtype.kind not in "biu":
+        raise TypeError(f"op {op.value} needs an integer or bool dtype, got {dtype}")
+    if op in (MIN, MAX) and dtype.kind == "c":
+        raise TypeError(f"op {op.value} is not defined for complex dtype {dtype}")
+
+
+def reduce_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
+    """acc = op(acc, other), elementwise and in place (AVG sums; the caller divides at the end)."""
+    ufunc = _UFUNCS[op]
+    if acc.dtype == np.bool_ and op in (SUM, AVG):
+        ufunc = np.logical_or
+    elif acc.dtype == np.bool_ and op == PROD:
+        ufunc = np.logical_and
+    ufunc(acc, other, out=acc)
+
+
+def finish_avg(buf: np.ndarray, size: int) -> None:
+    """Turn a sum over `size` ranks into the average: true division for floats, floor for integers."""
+    if buf.dtype.kind in "fc" or buf.dtype == bfloat16:
+        np.divide(buf, size, out=buf, casting="unsafe")
+    else:
+        np.floor_divide(buf, size, out=buf, casting="unsafe")

@@ -1,0 +1,94 @@
+"""The Transport interface: tagged, nonblocking point-to-point of contiguous buffers.
+
+A transport knows ranks, bytes and keys; it knows nothing about collectives. Messages are
+matched by (peer, comm_id, seq, tag) in FIFO order, so a peer running ahead is buffered,
+and a message whose size or dtype differs from the posted receive is a ProtocolError.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Optional, Sequence
+
+from ..bootstrap.store import Store
+from ..errors import ProtocolError, TimeoutError
+
+
+class MsgKey(NamedTuple):
+    """What a message belongs to: communicator, collective call number, and step tag."""
+
+    comm_id: int
+    seq: int
+    tag: int
+
+
+class Request:
+    """One posted send or receive; `done` flips when the buffer may be reused or read."""
+
+    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle")
+
+    def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool) -> None:
+        self.peer, self.key, self.view, self.dtype, self.is_recv = peer, key, view, dtype, is_recv
+        self.nbytes = view.nbytes
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self.handle: Any = None  # transport-private: a send tracker, an MPI request, ...
+
+    def check_incoming(self, rank: int, nbytes: int, dtype: int) -> None:
+        """Fail this receive (without touching its buffer) if the message does not fit it."""
+        if nbytes != self.nbytes or (dtype and self.dtype and dtype != self.dtype):
+            self.error = ProtocolError(
+                f"rank {rank}: message from rank {self.peer} (comm {self.key.comm_id:#x}, call "
+                f"{self.key.seq}, tag {self.key.tag}) carries {nbytes} bytes of dtype code {dtype}, "
+                f"but the receive expects {self.nbytes} bytes of dtype code {self.dtype}; "
+                "did the ranks call the collective with different sizes or dtypes?", self.peer)
+
+    def describe(self) -> str:
+        return f"{'recv from' if self.is_recv else 'send to'} rank {self.peer}"
+
+
+class Transport(ABC):
+    """Full-mesh point-to-point between the ranks of one job."""
+
+    name = "base"
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    @abstractmethod
+    def connect(self, store: Store, token: bytes, timeout: float) -> None:
+        """Publish this rank's address in the store, connect to every peer, authenticate with `token`."""
+
+    @abstractmethod
+    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        """Start sending a contiguous byte view; the view must stay untouched until the request is done."""
+
+    @abstractmethod
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`."""
+
+    @abstractmethod
+    def wait(self, reqs: Sequence[Request], timeout: float, what: str) -> None:
+        """Block until every request is done; raise its error, or TimeoutError naming the peers."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush pending sends (bounded) and release sockets and memory."""
+
+    def _timeout_error(self, reqs: Sequence[Request], timeout: float, what: str) -> TimeoutError:
+        pending = [r for r in reqs if not r.done]
+        return TimeoutError(
+            f"rank {self.rank}: {what} timed out after {timeout:g} s over {self.name}; still waiting "
+            f"on: {', '.join(r.describe() for r in pending)} (is that rank alive and in the same call?)",
+            peers=[r.peer for r in pending])
+
+    @staticmethod
+    def _raise_errors(reqs: Sequence[Request]) -> None:
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+
+
+def deadline_after(timeout: float) -> float:
+    """Monotonic deadline `timeout` seconds from now."""
+    return time.monotonic() + timeout

@@ -1,0 +1,256 @@
+"""TCP transport on pyzmq: one ROUTER per rank for everything inbound, one DEALER per peer outbound.
+
+Large payloads go out with copy=False (a tracker says when the buffer is free) and come in
+with recv_into straight into the posted buffer. Whichever thread waits drives the socket
+(leader/follower), so a single-threaded job pays no thread hand-off per message.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import zmq
+
+from ..bootstrap.netif import select_address
+from ..bootstrap.store import Store
+from ..errors import PeerError, TimeoutError
+from . import wire
+from .base import MsgKey, Request, Transport
+
+log = logging.getLogger("pycoll.tcp")
+
+COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
+_SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
+_LINGER_MS = 5000
+
+_Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
+
+
+class TcpTransport(Transport):
+    """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
+
+    name = "tcp"
+
+    def __init__(self, rank: int, size: int, address: Optional[str] = None) -> None:
+        super().__init__(rank, size)
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, -1)
+        addr = address or select_address()[1]
+        port = self._router.bind_to_random_port(f"tcp://{addr}")
+        self.endpoint = f"tcp://{addr}:{port}"
+        self._monitor = self._router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._dealers: List[Optional[zmq.Socket]] = [None] * size
+        self._send_locks = [threading.Lock() for _ in range(size)]
+        self._io = threading.Lock()            # held by the one thread reading the router
+        self._match = threading.Lock()         # guards _posted and _unexpected
+        self._cond = threading.Condition()     # followers sleep here until the leader completes work
+        self._posted: Dict[_Match, Deque[Request]] = {}
+        self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, zmq.Frame]]] = {}
+        self._ident_rank: Dict[bytes, int] = {}
+        self._seen_nonces: set = set()
+        self._token = b""
+        self._closed = False
+
+    # -- connection set-up -------------------------------------------------------------------
+    def connect(self, store: Store, token: bytes, timeout: float) -> None:
+        self._token = token
+        store.set(f"tcp/{self.rank}", self.endpoint.encode())
+        for peer in range(self.size):
+            endpoint = store.get(f"tcp/{peer}", timeout).decode()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
+            sock.connect(endpoint)
+            nonce = secrets.token_bytes(16)
+            hello = wire.make_hello(token, self.rank, peer, nonce)
+            sock.send_multipart([wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello])
+            self._dealers[peer] = sock
+        deadline = time.monotonic() + timeout
+        while len(set(self._ident_rank.values())) < self.size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.size)) - set(self._ident_rank.values()))
+                raise TimeoutError(f"rank {self.rank}: tcp transport heard no authenticated hello from "
+                                   f"ranks {missing} within {timeout:g} s", peers=missing)
+            with self._io:
+                self._drain(_SLICE)
+
+    # -- data path -----------------------------------------------------------------------------
+    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        req = Request(peer, key, view, dtype, is_recv=False)
+        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+        sock = self._dealers[peer]
+        with self._send_locks[peer]:
+            sock.send(header, zmq.SNDMORE)
+            if req.nbytes >= COPY_THRESHOLD:
+                req.handle = sock.send(view, copy=False, track=True)
+            else:
+                sock.send(view)
+                req.done = True
+        return req
+
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        req = Request(peer, key, view, dtype, is_recv=True)
+        match = (peer, key.comm_id, key.seq, key.tag)
+        with self._match:
+            queue = self._unexpected.get(match)
+            if queue:
+                header, frame = queue.popleft()
+                if not queue:
+                    del self._unexpected[match]
+            else:
+                self._posted.setdefault(match, deque()).append(req)
+                return req
+        req.check_incoming(self.rank, header.nbytes, header.dtype)
+        if req.error is None:
+            view[:] = frame.buffer
+        req.done = True
+        return req
+
+    def wait(self, reqs: Sequence[Request], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [r for r in reqs if not r.done and not self._send_finished(r)]
+            if not pending:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout_error(reqs, timeout, what)
+            step = min(left, _SLICE)
+            if any(r.is_recv for r in pending):
+                self._progress(pending, step)
+            else:
+                try:
+                    pending[0].handle.wait(step)
+                except zmq.NotDone:
+                    pass
+        self._raise_errors(reqs)
+
+    @staticmethod
+    def _send_finished(req: Request) -> bool:
+        if not req.is_recv and req.handle is not None and req.handle.done:
+            req.done = True
+        return req.done
+
+    def _progress(self, pending: List[Request], step: float) -> None:
+        if self._io.acquire(blocking=False):
+            try:
+                self._drain(step)
+            finally:
+                self._io.release()
+            with self._cond:
+                self._cond.notify_all()
+        else:
+            with self._cond:
+                if any(not r.done for r in pending if r.is_recv):
+                    self._cond.wait(step)
+
+    def _drain(self, step: float) -> None:
+        """Wait up to `step` s for traffic, then handle every message already queued (io lock held)."""
+        events = dict(self._poller.poll(int(step * 1000)))
+        if self._monitor in events:
+            self._log_monitor_events()
+        if self._router not in events:
+            return
+        router = self._router
+        while True:
+            try:
+                ident = router.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frames_left = router.getsockopt(zmq.RCVMORE)
+            try:
+                header = wire.unpack_header(router.recv()) if frames_left else None
+            except ValueError as e:
+                header, reason = None, str(e)
+            else:
+                reason = "truncated message (no header or no payload frame)"
+            if header is None or not router.getsockopt(zmq.RCVMORE):
+                self._reject(ident, reason)
+                continue
+            if header.kind == wire.KIND_HELLO:
+                self._accept_hello(ident, router.recv())
+                continue
+            peer = self._ident_rank.get(ident)
+            if peer is None:
+                self._reject(ident, "data from a connection that never authenticated")
+                continue
+            self._deliver(peer, header)
+
+    def _deliver(self, peer: int, header: wire.Header) -> None:
+        match = (peer, header.comm_id, header.seq, header.tag)
+        with self._match:
+            queue = self._posted.get(match)
+            if queue:
+                req = queue.popleft()
+                if not queue:
+                    del self._posted[match]
+            else:
+                self._unexpected.setdefault(match, deque()).append((header, self._router.recv(copy=False)))
+                return
+        req.check_incoming(self.rank, header.nbytes, header.dtype)
+        if req.error is None:
+            got = self._router.recv_into(req.view)
+            if got != req.nbytes:
+                req.error = PeerError(f"rank {self.rank}: rank {peer} announced {req.nbytes} bytes but "
+                                      f"sent {got}", peer)
+        else:
+            self._router.recv(copy=False)
+        self._skip_rest()
+        req.done = True
+
+    def _accept_hello(self, ident: bytes, payload: bytes) -> None:
+        try:
+            src, nonce = wire.check_hello(self._token, self.rank, payload)
+            if nonce in self._seen_nonces:
+                raise ValueError("replayed hello")
+            if not 0 <= src < self.size:
+                raise ValueError(f"hello from rank {src} outside 0..{self.size - 1}")
+        except ValueError as e:
+            self._reject(ident, str(e))
+            return
+        self._seen_nonces.add(nonce)
+        self._ident_rank[ident] = src
+
+    def _skip_rest(self) -> None:
+        while self._router.getsockopt(zmq.RCVMORE):
+            self._router.recv(copy=False)
+
+    def _reject(self, ident: bytes, reason: str) -> None:
+        self._skip_rest()
+        log.warning("rank %d: tcp transport dropped a message from connection %s: %s",
+                    self.rank, ident.hex(), reason)
+
+    def _log_monitor_events(self) -> None:
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            endpoint = frames[1].decode(errors="replace") if len(frames) > 1 else "?"
+            log.warning("rank %d: tcp transport rejected a connection on %s that does not speak the "
+                        "protocol (handshake failed)", self.rank, endpoint)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._dealers:
+            if sock is not None:
+                sock.close()
+        self._router.disable_monitor()
+        self._monitor.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()

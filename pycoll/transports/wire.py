@@ -1,0 +1,57 @@
+"""The message header every transport puts in front of a payload (DESIGN.md wire rules)."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import NamedTuple
+
+MAGIC = b"PYCL"
+VERSION = 1
+KIND_DATA, KIND_HELLO = 0, 1
+HEADER = struct.Struct("<4sBBHQQqQ")  # magic, version, kind, dtype, comm_id, seq, tag, nbytes
+HELLO = struct.Struct("<II16s32s")   # src rank, dst rank, nonce, hmac
+
+
+class Header(NamedTuple):
+    kind: int
+    dtype: int
+    comm_id: int
+    seq: int
+    tag: int
+    nbytes: int
+
+
+def pack_header(kind: int, dtype: int, comm_id: int, seq: int, tag: int, nbytes: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, dtype, comm_id, seq, tag, nbytes)
+
+
+def unpack_header(data: bytes) -> Header:
+    """Parse a header; ValueError for anything that is not a pycoll header of this version."""
+    if len(data) != HEADER.size:
+        raise ValueError(f"header of {len(data)} bytes, expected {HEADER.size}")
+    magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack(data)
+    if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_HELLO):
+        raise ValueError("not a pycoll header (bad magic, version or kind)")
+    return Header(kind, dtype, comm_id, seq, tag, nbytes)
+
+
+def hello_mac(token: bytes, src: int, dst: int, nonce: bytes) -> bytes:
+    """Proof that the sender holds the job token, bound to this sender, receiver and nonce."""
+    return hmac.new(token, b"pycoll-hello" + struct.pack("<II", src, dst) + nonce, hashlib.sha256).digest()
+
+
+def make_hello(token: bytes, src: int, dst: int, nonce: bytes) -> bytes:
+    return HELLO.pack(src, dst, nonce, hello_mac(token, src, dst, nonce))
+
+
+def check_hello(token: bytes, dst: int, payload: bytes) -> tuple:
+    """(src, nonce) of a valid hello addressed to `dst`; ValueError otherwise."""
+    if len(payload) != HELLO.size:
+        raise ValueError("hello of the wrong size")
+    src, to, nonce, mac = HELLO.unpack(payload)
+    if to != dst:
+        raise ValueError(f"hello addressed to rank {to}, not {dst}")
+    if not hmac.compare_digest(mac, hello_mac(token, src, dst, nonce)):
+        raise ValueError("hello with a wrong job token")
+    return src, nonce

@@ -1,0 +1,73 @@
+"""pycoll.init(): discover the job, rendezvous, connect the transport, and keep a default communicator."""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Optional
+
+from .bootstrap.env import discover
+from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
+from .bootstrap.store import PrefixStore, Store
+from .comm import Communicator
+from .errors import EnvError
+from .transports import create_transport
+
+DEFAULT_TIMEOUT = 300.0
+_generation = itertools.count()  # each init() in a process gets its own namespace in the store
+_default: Optional[Communicator] = None
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get("PYCOLL_TIMEOUT")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise EnvError(f"PYCOLL_TIMEOUT={raw!r} is not a number of seconds") from None
+
+
+def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional[Store] = None, *,
+         transport: Optional[str] = None, timeout: Optional[float] = None) -> Communicator:
+    """Join the job and return the world communicator (also the default for module-level calls).
+
+    With no arguments everything comes from the launcher's environment (torchrun, mpirun,
+    Slurm, `pycoll run`); `rank=, size=, store=` set it up by hand.
+    """
+    global _default
+    timeout = _env_timeout() if timeout is None else float(timeout)
+    if store is not None and rank is None:
+        raise EnvError("init(store=...) also needs rank= and size=")
+    job = discover(rank, size)
+    base = store if store is not None else make_store(job, timeout)
+    ns = PrefixStore(f"pycoll/{next(_generation)}", base)
+    membership = join(ns, job.rank, job.size, timeout)
+    token = job_token(ns, job, timeout)
+    name = transport or os.environ.get("PYCOLL_TRANSPORT", "auto")
+    single_host = membership.local_size == job.size
+    address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
+    tr = create_transport(name, job.rank, job.size, address)
+    try:
+        tr.connect(ns, token, timeout)
+    except BaseException:
+        tr.close()
+        raise
+    comm = Communicator(tr, range(job.size), job.rank, "world", membership, timeout,
+                        store=base if store is None else None, owns_transport=True)
+    _default = comm
+    return comm
+
+
+def default_comm() -> Communicator:
+    """The communicator of the last init(); RuntimeError before init()."""
+    if _default is None or _default._closed:
+        raise RuntimeError("pycoll.init() has not been called (or its communicator was closed)")
+    return _default
+
+
+def allreduce(x: Any, **kwargs: Any) -> Any:
+    """allreduce on the default communicator."""
+    return default_comm().allreduce(x, **kwargs)
+
+
+def barrier(**kwargs: Any) -> Any:
+    """barrier on the default communicator."""
+    return default_comm().barrier(**kwargs)
