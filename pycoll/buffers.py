@@ -17,7 +17,7 @@ def _from_torch(t: Any) -> np.ndarray:
         t = t.detach()
     if str(t.dtype) == "torch.bfloat16":
         import torch
-        return t.view(torch.int16).numpy().view(bfloat16)
+        return t.view(torch.int16).numpy().view(bfloat16())
     return t.numpy()
 
 

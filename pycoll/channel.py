@@ -8,7 +8,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .ops import DTYPE_CODES
+from .ops import dtype_code
 from .transports.base import MsgKey, Request, Transport
 
 
@@ -28,12 +28,12 @@ class Channel:
     def isend(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Start sending `arr` to communicator rank `peer`."""
         return self.transport.isend(byte_view(arr), self.group[peer], MsgKey(self.comm_id, self.seq, tag),
-                                    DTYPE_CODES.get(arr.dtype, 0))
+                                    dtype_code(arr.dtype))
 
     def irecv(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Post a receive of exactly `arr`'s bytes from communicator rank `peer`."""
         return self.transport.irecv(byte_view(arr), self.group[peer], MsgKey(self.comm_id, self.seq, tag),
-                                    DTYPE_CODES.get(arr.dtype, 0))
+                                    dtype_code(arr.dtype))
 
     def wait(self, *reqs: Request) -> None:
         """Wait for the requests within this call's deadline."""

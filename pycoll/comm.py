@@ -72,17 +72,21 @@ class Communicator:
              timeout: Optional[float]) -> Any:
         self._check_open(collective)
         with self._seq_lock:
-            seq = next(self._seq)
+            ch = self.channel(collective, timeout)
             busy = self._inflight > 0
-            if async_op or busy:
+            if async_op or busy:  # behind queued async work, blocking calls queue too: call order holds
                 self._inflight += 1
-        what = f"{collective} (call {seq} on {self.name}, rank {self.rank} of {self.size})"
-        ch = Channel(self.transport, self.group, self.rank, self.comm_id, seq,
-                     self.timeout if timeout is None else timeout, what)
         if not (async_op or busy):
             return body(ch)
-        work = self._submit(what, lambda: body(ch))
+        work = self._submit(ch.what, lambda: body(ch))
         return work if async_op else work.result()
+
+    def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
+        """A Channel for the next call number: what an algorithm runs on (all ranks must call in order)."""
+        seq = next(self._seq)
+        what = f"{collective} (call {seq} on {self.name}, rank {self.rank} of {self.size})"
+        return Channel(self.transport, self.group, self.rank, self.comm_id, seq,
+                       self.timeout if timeout is None else timeout, what)
 
     def _submit(self, what: str, fn: Callable[[], Any]) -> Work:
         if self._worker is None:

@@ -6,18 +6,24 @@ from typing import Callable, Dict, Union
 
 import numpy as np
 
-try:
-    import ml_dtypes
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency, this is belt and braces
-    bfloat16 = None
-
 _DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
            np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
 # wire code of each dtype; 0 means raw bytes (p2p of arbitrary buffers)
 DTYPE_CODES: Dict[np.dtype, int] = {np.dtype(t): i + 1 for i, t in enumerate(_DTYPES)}
-if bfloat16 is not None:
-    DTYPE_CODES[bfloat16] = 64
+BFLOAT16_CODE = 64  # ml_dtypes.bfloat16: registered on first use, since importing ml_dtypes costs ~0.5 s
+
+
+def bfloat16() -> np.dtype:
+    """numpy's bfloat16 dtype from ml_dtypes (imported on demand)."""
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16)
+    DTYPE_CODES.setdefault(dt, BFLOAT16_CODE)
+    return dt
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """True for ml_dtypes' bfloat16, without importing ml_dtypes."""
+    return np.dtype(dtype).name == "bfloat16"
 
 
 class ReduceOp(enum.Enum):
@@ -59,8 +65,11 @@ def as_op(op: Union[ReduceOp, str]) -> ReduceOp:
 
 def dtype_code(dtype: np.dtype) -> int:
     """The wire code of a dtype; TypeError for dtypes no collective supports."""
+    dtype = np.dtype(dtype)
+    if is_bfloat16(dtype):
+        return DTYPE_CODES.setdefault(dtype, BFLOAT16_CODE)
     try:
-        return DTYPE_CODES[np.dtype(dtype)]
+        return DTYPE_CODES[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} is not supported by pycoll collectives "
                         f"(supported: {sorted(str(d) for d in DTYPE_CODES)})") from None
@@ -70,7 +79,7 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     """TypeError when the op does not fit the dtype (bitwise on floats, ordering on complex)."""
     dtype = np.dtype(dtype)
     dtype_code(dtype)
-    if op in _BITWISE and dtype.kind not in "biu":
+    if op in _BITWISE and (dtype.kind not in "biu" or is_bfloat16(dtype)):
         raise TypeError(f"op {op.value} needs an integer or bool dtype, got {dtype}")
     if op in (MIN, MAX) and dtype.kind == "c":
         raise TypeError(f"op {op.value} is not defined for complex dtype {dtype}")
@@ -88,7 +97,7 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
 
 def finish_avg(buf: np.ndarray, size: int) -> None:
     """Turn a sum over `size` ranks into the average: true division for floats, floor for integers."""
-    if buf.dtype.kind in "fc" or buf.dtype == bfloat16:
+    if buf.dtype.kind in "fc" or is_bfloat16(buf.dtype):
         np.divide(buf, size, out=buf, casting="unsafe")
     else:
         np.floor_divide(buf, size, out=buf, casting="unsafe")
