@@ -62,6 +62,7 @@ class TcpTransport(Transport):
         self._seen_nonces: set = set()
         self._token = b""
         self._closed = False
+        self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -230,6 +231,7 @@ class TcpTransport(Transport):
 
     def _reject(self, ident: bytes, reason: str) -> None:
         self._skip_rest()
+        self.rejected += 1
         log.warning("rank %d: tcp transport dropped a message from connection %s: %s",
                     self.rank, ident.hex(), reason)
 
@@ -240,6 +242,7 @@ class TcpTransport(Transport):
             except zmq.Again:
                 return
             endpoint = frames[1].decode(errors="replace") if len(frames) > 1 else "?"
+            self.rejected += 1
             log.warning("rank %d: tcp transport rejected a connection on %s that does not speak the "
                         "protocol (handshake failed)", self.rank, endpoint)
 

@@ -1,0 +1,33 @@
+"""pycoll under Open MPI's mpirun: ranks from OMPI_COMM_WORLD_*, the store address shared via mpi4py."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = shutil.which("mpirun")
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
+              pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (apt-get install openmpi-bin)")]
+
+
+def mpirun(n, *args, env=None):
+    """Run `python args` on n ranks under mpirun, as root and oversubscribed, on loopback only."""
+    full_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
+                "PYTHONPATH": ROOT, **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYCOLL_STORE_HOSTED"):
+        full_env.pop(var, None)
+    return subprocess.run([MPIRUN, "--oversubscribe", "-np", str(n), sys.executable, *args],
+                          capture_output=True, text=True, env=full_env, timeout=100, cwd=ROOT)
+
+
+def test_hello_allreduce_under_mpirun_np_4():
+    pytest.importorskip("mpi4py")
+    proc = mpirun(4, "examples/hello_allreduce.py")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "allreduce" in line]
+    assert len(lines) == 4 and all(line.endswith("OK") for line in lines)
+    assert {line.split()[1] for line in lines} == {"0/4", "1/4", "2/4", "3/4"}

@@ -1,0 +1,145 @@
+"""send/recv over the tcp transport: every dtype, 0 B to 64 MiB, tags, ordering, and mismatches."""
+import numpy as np
+import pytest
+
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128", "bfloat16"]
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _payload(dtype, count, seed):
+    data = np.random.default_rng(seed).integers(0, 100, count)
+    return data.astype(_dtype(dtype))
+
+
+def _every_dtype_and_size(comm):
+    got = []
+    for i, name in enumerate(DTYPES):
+        for count in (0, 1, 1000, 70_000):
+            if comm.rank == 0:
+                comm.send(_payload(name, count, i), 1, tag=i)
+            else:
+                buf = np.empty(count, _dtype(name))
+                comm.recv(buf, 0, tag=i)
+                got.append(bool(np.array_equal(buf, _payload(name, count, i))))
+    if comm.rank == 0:
+        comm.send(bytearray(b"\x07"), 1, tag=99)       # one byte, plain buffer protocol
+    else:
+        one = bytearray(1)
+        comm.recv(one, 0, tag=99)
+        got.append(one == bytearray(b"\x07"))
+    return got
+
+
+def test_every_dtype_and_size():
+    _, got = run_ranks(_every_dtype_and_size, 2)
+    assert len(got) == len(DTYPES) * 4 + 1 and all(got)
+
+
+def _large(comm):
+    n = (64 << 20) // 8
+    if comm.rank == 0:
+        comm.send(np.arange(n, dtype=np.int64), 1)
+        return None
+    buf = np.empty(n, np.int64)
+    comm.recv(buf, 0)
+    return bool(np.array_equal(buf, np.arange(n, dtype=np.int64)))
+
+
+def test_64_mib_message():
+    assert run_ranks(_large, 2)[1] is True
+
+
+def _out_of_order(comm):
+    if comm.rank == 0:
+        for tag in (1, 2, 3):
+            comm.send(np.full(4, tag, np.int32), 1, tag=tag)
+        for k in range(3):  # same tag: delivered in send order
+            comm.send(np.full(4, 10 + k, np.int32), 1, tag=7)
+        return None
+    order = []
+    for tag in (3, 1, 2):
+        buf = np.empty(4, np.int32)
+        comm.recv(buf, 0, tag=tag)
+        order.append(int(buf[0]))
+    for _ in range(3):
+        buf = np.empty(4, np.int32)
+        comm.recv(buf, 0, tag=7)
+        order.append(int(buf[0]))
+    return order
+
+
+def test_tags_match_out_of_order_and_fifo_within_a_tag():
+    assert run_ranks(_out_of_order, 2)[1] == [3, 1, 2, 10, 11, 12]
+
+
+def _ring_of_sends(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    buf = np.empty(1000, np.float64)
+    if comm.rank % 2 == 0:
+        comm.send(np.full(1000, comm.rank, np.float64), right)
+        comm.recv(buf, left)
+    else:
+        comm.recv(buf, left)
+        comm.send(np.full(1000, comm.rank, np.float64), right)
+    return float(buf[0])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_many_ranks_exchange(n):
+    got = run_ranks(_ring_of_sends, n)
+    assert got == [float((r - 1) % n) for r in range(n)]
+
+
+def _mismatch(comm):
+    import pycoll
+    if comm.rank == 0:
+        comm.send(np.zeros(10, np.float32), 1)
+        comm.send(np.zeros(10, np.float32), 1, tag=1)
+        return "sent"
+    buf = np.full(20, 5, np.float32)
+    try:
+        comm.recv(buf, 0)
+    except pycoll.ProtocolError as e:
+        assert np.all(buf == 5), "a rejected message must not touch the buffer"
+        msg = str(e)
+    try:
+        comm.recv(np.empty(10, np.int32), 0, tag=1)
+    except pycoll.ProtocolError as e:
+        return msg, str(e)
+    return "no error"
+
+
+def test_size_and_dtype_mismatch_is_an_error_not_garbage():
+    _, (size_msg, dtype_msg) = run_ranks(_mismatch, 2)
+    assert "40 bytes" in size_msg and "expects 80 bytes" in size_msg and "rank 0" in size_msg
+    assert "dtype" in dtype_msg
+
+
+def _bad_args(comm):
+    errors = []
+    for call in (lambda: comm.send(np.zeros(1), 5), lambda: comm.recv(np.zeros(1), -1),
+                 lambda: comm.send(np.zeros(1), 0, tag=-3), lambda: comm.recv(b"ro", 0),
+                 lambda: comm.send(np.zeros((4, 4))[:, 1], 0), lambda: comm.send(object(), 0)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append(type(e).__name__)
+    return errors
+
+
+def test_bad_arguments_fail_before_sending():
+    for errors in run_ranks(_bad_args, 2):
+        assert errors == ["ValueError", "ValueError", "ValueError", "ValueError", "ValueError",
+                          "TypeError"]
