@@ -3,12 +3,14 @@ from .comm import Communicator
 from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
 from .work import Work
-from .world import allreduce, barrier, default_comm, init
+from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barrier, broadcast,
+                    default_comm, gather, init, recv, reduce, reduce_scatter, scatter, send)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
     "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
-    "init", "default_comm", "allreduce", "barrier",
+    "init", "default_comm", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
+    "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv",
 ]

@@ -1,15 +1,14 @@
-"""Communicator: validates arguments, numbers each call, and runs an algorithm on a Channel."""
+"""Communicator: validates arguments, numbers each call, picks an algorithm and runs it on a Channel."""
 from __future__ import annotations
 
 import hashlib
 import itertools
 import threading
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .algorithms import barrier as barrier_algo
-from .algorithms import ring
+from .algorithms.registry import Selector, resolve
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
@@ -19,6 +18,7 @@ from .transports.base import MsgKey, Transport
 from .work import Work, Worker
 
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
+OpLike = Union[ReduceOp, str]
 
 
 def comm_hash(name: str) -> int:
@@ -31,13 +31,15 @@ class Communicator:
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
-                 owns_transport: bool = False) -> None:
+                 owns_transport: bool = False, selector: Optional[Selector] = None) -> None:
         self.transport, self.group, self.name = transport, list(group), name
         self._rank, self.timeout, self.store = rank, timeout, store
         self.comm_id = comm_hash(name)
         self.membership = membership
+        self.selector = selector or Selector()
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
+        self._children = itertools.count()
         self._seq_lock = threading.Lock()
         self._worker: Optional[Worker] = None
         self._inflight = 0
@@ -100,70 +102,288 @@ class Communicator:
                     self._inflight -= 1
         return self._worker.submit(what, tracked)
 
+    def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
+        return resolve(collective, self.selector.choose(collective, nbytes, self.size, algo))
+
+    # -- validation -------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: {call} on {self.name} after close()")
 
     def _peer(self, peer: int, role: str, call: str) -> int:
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: {call} {role}={peer!r} is not a rank of {self.name} "
                              f"(0..{self.size - 1})")
         return int(peer)
 
-    # -- collectives ------------------------------------------------------------------------------
-    def allreduce(self, x: Any, out: Any = None, op: Union[ReduceOp, str] = ReduceOp.SUM, *,
-                  async_op: bool = False, timeout: Optional[float] = None) -> Any:
-        """Reduce `x` across all ranks; the result lands in `out` (or in `x` itself) on every rank."""
+    def _input(self, x: Any, call: str, writable: bool) -> np.ndarray:
+        arr = as_array(x, f"{call} x", writable=writable)
+        dtype_code(arr.dtype)
+        return arr
+
+    def _output(self, out: Any, call: str, dtype: np.dtype, count: int) -> np.ndarray:
+        arr = as_array(out, f"{call} out")
+        if arr.dtype != dtype or arr.size != count:
+            raise ValueError(f"rank {self.rank}: {call} out= holds {arr.size} x {arr.dtype}, "
+                             f"expected {count} x {dtype}")
+        return arr
+
+    def _counts(self, counts: Sequence[int], call: str, what: str = "counts") -> List[int]:
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or any(c < 0 for c in counts):
+            raise ValueError(f"rank {self.rank}: {call} {what} must be {self.size} non-negative integers, "
+                             f"got {counts}")
+        return counts
+
+    def _reduction(self, op: OpLike, dtype: np.dtype) -> ReduceOp:
         op = as_op(op)
-        src = as_array(x, "x", writable=out is None)
-        check_op(op, src.dtype)
-        dst = src
-        if out is not None:
-            dst = as_array(out, "out")
-            if dst.dtype != src.dtype or dst.size != src.size:
-                raise ValueError(f"rank {self.rank}: allreduce out= has {dst.size} x {dst.dtype}, "
-                                 f"x has {src.size} x {src.dtype}; they must match")
+        check_op(op, dtype)
+        return op
+
+    # -- reductions -------------------------------------------------------------------------------
+    def allreduce(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *, async_op: bool = False,
+                  timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Reduce `x` across all ranks; every rank gets the result in `out` (or in `x` itself)."""
+        src = self._input(x, "allreduce", writable=out is None)
+        op = self._reduction(op, src.dtype)
+        dst = src if out is None else self._output(out, "allreduce", src.dtype, src.size)
+        fn = self._algorithm("allreduce", src.nbytes, algo)
 
         def body(ch: Channel) -> Any:
             if dst is not src:
-                np.copyto(dst.reshape(-1), src.reshape(-1))
-            ring.allreduce(ch, flat(dst), op)
+                np.copyto(flat(dst), flat(src))
+            fn(ch, flat(dst), op)
             if op is AVG:
                 finish_avg(dst, ch.size)
             return x if out is None else out
         return self._run("allreduce", body, async_op, timeout)
 
+    def reduce(self, x: Any, root: int = 0, op: OpLike = ReduceOp.SUM, out: Any = None, *,
+               async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Reduce `x` onto `root` (into `out`, or `x` in place there); other ranks' buffers stay as they were."""
+        root = self._peer(root, "root", "reduce")
+        src = self._input(x, "reduce", writable=out is None and self.rank == root)
+        op = self._reduction(op, src.dtype)
+        dst = src if out is None or self.rank != root else self._output(out, "reduce", src.dtype, src.size)
+        fn = self._algorithm("reduce", src.nbytes, algo)
+
+        def body(ch: Channel) -> Any:
+            if dst is not src:
+                np.copyto(flat(dst), flat(src))
+            fn(ch, flat(dst), op, root)
+            if op is AVG and ch.rank == root:
+                finish_avg(dst, ch.size)
+            return out if out is not None and ch.rank == root else x
+        return self._run("reduce", body, async_op, timeout)
+
+    def reduce_scatter(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *,
+                       counts: Optional[Sequence[int]] = None, async_op: bool = False,
+                       timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Reduce `x` across ranks and leave block `rank` of the result here (equal blocks, or `counts`)."""
+        src = self._input(x, "reduce_scatter", writable=False)
+        op = self._reduction(op, src.dtype)
+        if counts is None:
+            if src.size % self.size:
+                raise ValueError(f"rank {self.rank}: reduce_scatter x has {src.size} elements, not divisible "
+                                 f"by {self.size} ranks (pass counts= for uneven blocks)")
+            counts_l = [src.size // self.size] * self.size
+        else:
+            counts_l = self._counts(counts, "reduce_scatter")
+            if sum(counts_l) != src.size:
+                raise ValueError(f"rank {self.rank}: reduce_scatter counts sum to {sum(counts_l)}, "
+                                 f"x has {src.size} elements")
+        mine = counts_l[self.rank]
+        if out is None:
+            shape = (src.shape[0] // self.size,) + src.shape[1:] if (
+                counts is None and src.ndim and src.shape[0] % self.size == 0) else (mine,)
+            result = np.empty(shape, src.dtype)
+        else:
+            result = out
+        dst = self._output(result, "reduce_scatter", src.dtype, mine)
+        fn = self._algorithm("reduce_scatter", src.nbytes, algo)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), flat(dst), op, counts_l)
+            if op is AVG:
+                finish_avg(dst, ch.size)
+            return result
+        return self._run("reduce_scatter", body, async_op, timeout)
+
+    # -- data movement ----------------------------------------------------------------------------
+    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Copy root's `x` into `x` on every rank."""
+        root = self._peer(root, "root", "broadcast")
+        buf = self._input(x, "broadcast", writable=self.rank != root)
+        fn = self._algorithm("broadcast", buf.nbytes, algo)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(buf), root)
+            return x
+        return self._run("broadcast", body, async_op, timeout)
+
+    def allgather(self, x: Any, out: Any = None, *, async_op: bool = False,
+                  timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Every rank's `x`, stacked: an array of shape (size, *x.shape) on every rank."""
+        src = self._input(x, "allgather", writable=False)
+        result = np.empty((self.size,) + src.shape, src.dtype) if out is None else out
+        dst = self._output(result, "allgather", src.dtype, src.size * self.size)
+        return self._gather_all("allgather", src, dst, None, result, async_op, timeout, algo)
+
+    def allgatherv(self, x: Any, counts: Sequence[int], out: Any = None, *, async_op: bool = False,
+                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Concatenate rank i's counts[i] elements, in rank order, on every rank (a flat array)."""
+        src = self._input(x, "allgatherv", writable=False)
+        counts_l = self._counts(counts, "allgatherv")
+        if counts_l[self.rank] != src.size:
+            raise ValueError(f"rank {self.rank}: allgatherv counts[{self.rank}]={counts_l[self.rank]} but x "
+                             f"has {src.size} elements")
+        result = np.empty(sum(counts_l), src.dtype) if out is None else out
+        dst = self._output(result, "allgatherv", src.dtype, sum(counts_l))
+        return self._gather_all("allgatherv", src, dst, counts_l, result, async_op, timeout, algo)
+
+    def _gather_all(self, call: str, src: np.ndarray, dst: np.ndarray, counts: Optional[List[int]],
+                    result: Any, async_op: bool, timeout: Optional[float], algo: Optional[str]) -> Any:
+        fn = self._algorithm("allgather", dst.nbytes, algo)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), flat(dst), counts)
+            return result
+        return self._run(call, body, async_op, timeout)
+
+    def alltoall(self, x: Any, out: Any = None, *, async_op: bool = False,
+                 timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """Block j of `x` goes to rank j; block i of the result came from rank i (x.size divisible by size)."""
+        src = self._input(x, "alltoall", writable=False)
+        if src.size % self.size:
+            raise ValueError(f"rank {self.rank}: alltoall x has {src.size} elements, not divisible by "
+                             f"{self.size} ranks")
+        result = np.empty_like(src) if out is None else out
+        dst = self._output(result, "alltoall", src.dtype, src.size)
+        fn = self._algorithm("alltoall", src.nbytes, algo)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), flat(dst))
+            return result
+        return self._run("alltoall", body, async_op, timeout)
+
+    def alltoallv(self, x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], out: Any = None, *,
+                  async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
+        """send_counts[j] elements of `x` (packed in rank order) go to rank j; the result packs what each sent."""
+        src = self._input(x, "alltoallv", writable=False)
+        sc = self._counts(send_counts, "alltoallv", "send_counts")
+        rc = self._counts(recv_counts, "alltoallv", "recv_counts")
+        if sum(sc) != src.size:
+            raise ValueError(f"rank {self.rank}: alltoallv send_counts sum to {sum(sc)}, x has {src.size}")
+        result = np.empty(sum(rc), src.dtype) if out is None else out
+        dst = self._output(result, "alltoallv", src.dtype, sum(rc))
+        fn = self._algorithm("alltoallv", src.nbytes, algo)
+        sd, rd = _displacements(sc), _displacements(rc)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), sc, sd, flat(dst), rc, rd)
+            return result
+        return self._run("alltoallv", body, async_op, timeout)
+
+    def gather(self, x: Any, root: int = 0, out: Any = None, *, async_op: bool = False,
+               timeout: Optional[float] = None) -> Any:
+        """At `root`: every rank's `x` stacked as (size, *x.shape); elsewhere None."""
+        root = self._peer(root, "root", "gather")
+        src = self._input(x, "gather", writable=False)
+        result = None
+        if self.rank == root:
+            result = np.empty((self.size,) + src.shape, src.dtype) if out is None else out
+        dst = None if result is None else self._output(result, "gather", src.dtype, src.size * self.size)
+        fn = self._algorithm("gather", src.nbytes, None)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), None if dst is None else flat(dst), root)
+            return result
+        return self._run("gather", body, async_op, timeout)
+
+    def scatter(self, x: Any, root: int = 0, out: Any = None, *, async_op: bool = False,
+                timeout: Optional[float] = None) -> Any:
+        """Block `rank` of root's `x` (shape (size, ...) or size*k elements) lands in `out` on each rank.
+
+        Non-root ranks pass `out` (or an `x` of the full shape, whose contents are ignored).
+        """
+        root = self._peer(root, "root", "scatter")
+        src = self._input(x, "scatter", writable=False) if x is not None else None
+        if out is None:
+            if src is None or src.ndim == 0 or src.shape[0] != self.size:
+                raise ValueError(f"rank {self.rank}: scatter needs out= or an x of shape ({self.size}, ...)")
+            out = np.empty(src.shape[1:], src.dtype)
+        dst = as_array(out, "scatter out")
+        dtype_code(dst.dtype)
+        if self.rank == root:
+            if src is None:
+                raise ValueError(f"rank {self.rank}: scatter root must pass x")
+            self._output(src, "scatter x", dst.dtype, dst.size * self.size)
+        fn = self._algorithm("scatter", dst.nbytes, None)
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src) if ch.rank == root else None, flat(dst), root)
+            return out
+        return self._run("scatter", body, async_op, timeout)
+
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None) -> Any:
         """Return once every rank has called barrier."""
-        return self._run("barrier", barrier_algo.barrier, async_op, timeout)
+        return self._run("barrier", self._algorithm("barrier", 0, None), async_op, timeout)
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
         """Send `x` to rank `dst`; matched by (source, tag) in order, like MPI_Send."""
         self._check_open("send")
-        arr = as_array(x, "x", writable=False)
-        dtype_code(arr.dtype)
+        arr = self._input(x, "send", writable=False)
         peer = self._peer(dst, "dst", "send")
-        req = self.transport.isend(byte_view(arr), self.group[peer],
-                                   self._p2p_key(tag, "send"), dtype_code(arr.dtype))
+        req = self.transport.isend(byte_view(arr), self.group[peer], self._p2p_key(tag, "send"),
+                                   dtype_code(arr.dtype))
         self.transport.wait([req], self.timeout if timeout is None else timeout,
                             f"send to rank {peer} tag {tag} on {self.name}")
 
     def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Any:
         """Receive exactly `x`'s size and dtype from rank `src` into `x`; returns `x`."""
         self._check_open("recv")
-        arr = as_array(x, "x")
+        arr = self._input(x, "recv", writable=True)
         peer = self._peer(src, "src", "recv")
-        req = self.transport.irecv(byte_view(arr), self.group[peer],
-                                   self._p2p_key(tag, "recv"), dtype_code(arr.dtype))
+        req = self.transport.irecv(byte_view(arr), self.group[peer], self._p2p_key(tag, "recv"),
+                                   dtype_code(arr.dtype))
         self.transport.wait([req], self.timeout if timeout is None else timeout,
                             f"recv from rank {peer} tag {tag} on {self.name}")
         return x
 
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
-        if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:
             raise ValueError(f"rank {self.rank}: {call} tag={tag!r} must be an integer in 0..2**62-1")
         return MsgKey(self.comm_id, P2P_SEQ, int(tag))
+
+    # -- sub-communicators ------------------------------------------------------------------------
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """Ranks with the same color form a new communicator, ordered by (key, rank); color None/<0 opts out."""
+        self._check_open("split")
+        mine = np.array([-1 if color is None or color < 0 else int(color), int(key)], np.int64)
+        table = self.allgather(mine)
+        child = next(self._children)
+        if mine[0] < 0:
+            return None
+        members = sorted((r for r in range(self.size) if table[r, 0] == mine[0]),
+                         key=lambda r: (table[r, 1], r))
+        return self._child(f"{self.name}.split{child}.{mine[0]}", members)
+
+    def dup(self) -> "Communicator":
+        """Same ranks, separate traffic: collectives on the copy never match the original's."""
+        self._check_open("dup")
+        self.barrier()  # every rank must dup in the same order; this also fixes the child counter
+        return self._child(f"{self.name}.dup{next(self._children)}", list(range(self.size)))
+
+    def _child(self, name: str, members: List[int]) -> "Communicator":
+        group = [self.group[r] for r in members]
+        hosts = self.membership.hosts
+        me = self.group[self.rank]
+        same = [g for g in group if hosts[g] == hosts[me]]
+        membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
+        return Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
+                            selector=self.selector)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -183,3 +403,7 @@ class Communicator:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _displacements(counts: Sequence[int]) -> List[int]:
+    return [int(v) for v in np.concatenate([[0], np.cumsum(counts)[:-1]])] if counts else []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .bootstrap.env import discover
 from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
@@ -63,11 +63,15 @@ def default_comm() -> Communicator:
     return _default
 
 
-def allreduce(x: Any, **kwargs: Any) -> Any:
-    """allreduce on the default communicator."""
-    return default_comm().allreduce(x, **kwargs)
+def _on_default(name: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(default_comm(), name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"Communicator.{name} on the default communicator (the last pycoll.init())."
+    return call
 
 
-def barrier(**kwargs: Any) -> Any:
-    """barrier on the default communicator."""
-    return default_comm().barrier(**kwargs)
+COLLECTIVES = ("allreduce", "reduce", "reduce_scatter", "broadcast", "allgather", "allgatherv",
+               "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv")
+allreduce, reduce, reduce_scatter, broadcast, allgather, allgatherv, alltoall, alltoallv, gather, \
+    scatter, barrier, send, recv = (_on_default(n) for n in COLLECTIVES)
