@@ -1,14 +1,24 @@
-"""Ring allreduce: reduce-scatter then allgather around the ring, 2(n-1) steps, 2(n-1)/n * S bytes.
+"""Ring collectives: reduce-scatter and allgather pass blocks to the right neighbour, n-1 steps and
+(n-1)/n * S bytes sent per rank each; allreduce is both, 2(n-1) steps and 2(n-1)/n * S bytes.
 
-Each chunk is reduced by the ranks in one fixed order, then the final chunk is copied around,
-so every rank ends with bit-identical results.
+Every step is cut into segments of at most 1 MiB, at least two per block (Gloo's
+numSegments = roundUp(max(ceil(S / 1 MiB), 2n), n)), and pipelined: the next segment is on the
+wire while numpy reduces the current one. Each block is reduced by the ranks in one fixed order
+and then copied around, so every rank ends with bit-identical results.
 """
 from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..channel import Channel
 from ..ops import ReduceOp, reduce_into
+
+SEGMENT_BYTES = 1 << 20
+
+# one pipelined iteration: (send this, receive into this, then acc = op(acc, other) unless acc is None)
+Transfer = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
 
 
 def chunk_bounds(count: int, parts: int) -> list:
@@ -22,21 +32,130 @@ def chunk_bounds(count: int, parts: int) -> list:
     return bounds
 
 
+def displacements(counts: Sequence[int]) -> List[int]:
+    """Block edges of consecutive blocks of `counts` elements: [0, c0, c0+c1, ..., sum(counts)]."""
+    edges = [0]
+    for c in counts:
+        edges.append(edges[-1] + int(c))
+    return edges
+
+
+def chunk_edges(count: int, parts: int) -> List[int]:
+    """The `parts + 1` edges of chunk_bounds(count, parts)."""
+    return [0] + [end for _, end in chunk_bounds(count, parts)]
+
+
+def segments_per_block(block_bytes: int) -> int:
+    """Segments per ring block: at most SEGMENT_BYTES each, at least two (so the pipeline has depth)."""
+    return max(2, -(-block_bytes // SEGMENT_BYTES))
+
+
+class Segments:
+    """The blocks between `edges` (one per rank), each cut into `spr` nearly equal segments."""
+
+    def __init__(self, edges: Sequence[int], itemsize: int) -> None:
+        self.n = len(edges) - 1
+        self.edges = list(edges)
+        counts = [b - a for a, b in zip(edges, edges[1:])]
+        self.spr = segments_per_block(max(counts) * itemsize)
+        self.rel = [chunk_bounds(c, self.spr) for c in counts]  # relative to each block's start
+        self.width = max((b - a for block in self.rel for a, b in block), default=0)
+
+    def at(self, block: int, k: int) -> slice:
+        """Segment k of block `block` (mod n), as a slice of the whole buffer."""
+        block %= self.n
+        a, b = self.rel[block][k]
+        return slice(self.edges[block] + a, self.edges[block] + b)
+
+    def within(self, block: int, k: int) -> slice:
+        """Segment k of block `block` (mod n), as a slice of that block alone."""
+        a, b = self.rel[block % self.n][k]
+        return slice(a, b)
+
+
+def _pipeline(ch: Channel, iterations: int, transfer: Callable[[int], Transfer],
+              op: Optional[ReduceOp]) -> None:
+    """Run ring iterations 0..iterations-1: iteration j sends to the right and receives from the left
+    on tag j, then reduces. Iteration j+1 is posted before iteration j is waited on and reduced, so
+    two are in flight; callers forward a segment only spr >= 2 iterations after receiving it.
+    Empty segments are skipped (both ends compute the same sizes)."""
+    right, left = (ch.rank + 1) % ch.size, (ch.rank - 1) % ch.size
+
+    def post(j: int) -> tuple:
+        send, recv, acc, other = transfer(j)
+        return (ch.irecv(recv, left, j) if recv.size else None,
+                ch.isend(send, right, j) if send.size else None, acc, other)
+
+    nxt = post(0) if iterations else None
+    for j in range(iterations):
+        rreq, sreq, acc, other = nxt
+        nxt = post(j + 1) if j + 1 < iterations else None
+        if rreq is not None:
+            ch.wait(rreq)
+            if acc is not None:
+                reduce_into(op, acc, other)
+        if sreq is not None:
+            ch.wait(sreq)
+
+
+def _forward(seg: Segments, buf: np.ndarray, first: int, j: int) -> Transfer:
+    """Allgather iteration j: pass on segment k of block first-s, receive block first-s-1 in place."""
+    s, k = divmod(j, seg.spr)
+    return buf[seg.at(first - s, k)], buf[seg.at(first - s - 1, k)], None, None
+
+
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
-    """In-place ring allreduce of the flat array `buf`."""
+    """In-place pipelined ring allreduce of the flat array `buf`."""
     n, r = ch.size, ch.rank
+    if n == 1 or buf.size == 0:
+        return
+    seg = Segments(chunk_edges(buf.size, n), buf.itemsize)
+    tmp = np.empty((2, seg.width), buf.dtype)  # double buffer for incoming segments
+    half = (n - 1) * seg.spr
+
+    def transfer(j: int) -> Transfer:
+        if j >= half:  # allgather of the reduced blocks
+            return _forward(seg, buf, r + 1, j - half)
+        s, k = divmod(j, seg.spr)  # reduce-scatter: afterwards rank r owns the reduced block r+1
+        mine = buf[seg.at(r - s - 1, k)]
+        incoming = tmp[j % 2, :mine.size]
+        return buf[seg.at(r - s, k)], incoming, mine, incoming
+
+    _pipeline(ch, 2 * half, transfer, op)
+
+
+def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+                   counts: Optional[Sequence[int]] = None) -> None:
+    """Ring reduce-scatter(v): rank r gets block r (counts[r] elements) of the reduction of `send`."""
+    n, r = ch.size, ch.rank
+    edges = displacements([recv.size] * n if counts is None else counts)
+    if n == 1:
+        np.copyto(recv, send[:edges[1]])
+        return
+    seg = Segments(edges, send.itemsize)
+    widest = max(b - a for a, b in zip(edges, edges[1:]))
+    partial = np.empty((min(n - 2, 2), widest), send.dtype)  # blocks being accumulated, double-buffered
+
+    def transfer(j: int) -> Transfer:
+        s, k = divmod(j, seg.spr)  # step s: pass block r-s-1 on, receive block r-s-2 (r at the end)
+        if s == 0:
+            out = send[seg.at(r - 1, k)]
+        else:
+            out = partial[(s - 1) % 2, seg.within(r - s - 1, k)]
+        into = recv if s == n - 2 else partial[s % 2]
+        incoming = into[seg.within(r - s - 2, k)]
+        return out, incoming, incoming, send[seg.at(r - s - 2, k)]
+
+    _pipeline(ch, (n - 1) * seg.spr, transfer, op)
+
+
+def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray,
+              counts: Optional[Sequence[int]] = None) -> None:
+    """Ring allgather(v): block i of `recv` (counts[i] elements, default send.size) comes from rank i."""
+    n, r = ch.size, ch.rank
+    edges = displacements([send.size] * n if counts is None else counts)
+    np.copyto(recv[edges[r]:edges[r + 1]], send)
     if n == 1:
         return
-    bounds = chunk_bounds(buf.size, n)
-    right, left = (r + 1) % n, (r - 1) % n
-    tmp = np.empty(bounds[0][1] - bounds[0][0], dtype=buf.dtype)
-    for step in range(n - 1):  # reduce-scatter: after it, rank r owns the full sum of chunk r+1
-        s0, s1 = bounds[(r - step) % n]
-        d0, d1 = bounds[(r - step - 1) % n]
-        incoming = tmp[: d1 - d0]
-        ch.sendrecv(buf[s0:s1], right, incoming, left, tag=step)
-        reduce_into(op, buf[d0:d1], incoming)
-    for step in range(n - 1):  # allgather of the reduced chunks
-        s0, s1 = bounds[(r + 1 - step) % n]
-        d0, d1 = bounds[(r - step) % n]
-        ch.sendrecv(buf[s0:s1], right, buf[d0:d1], left, tag=n + step)
+    seg = Segments(edges, recv.itemsize)
+    _pipeline(ch, (n - 1) * seg.spr, lambda j: _forward(seg, recv, r, j), None)

@@ -1,0 +1,92 @@
+"""Rabenseifner: recursive-halving reduce-scatter then recursive-doubling allgather, 2 lg p' steps and
+2(p'-1)/p' * S bytes per rank (reduce-scatter alone: lg p' steps, (p'-1)/p' * S); for a
+non-power-of-two n, MPI's fold adds one step each way, of S bytes, between the first 2(n-p') ranks.
+
+Each block's final value is computed once, by the rank that owns it, then copied: bit-identical.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..channel import Channel
+from ..ops import ReduceOp, reduce_into
+from . import recursive_doubling
+from .recursive_doubling import FIRST_STEP_TAG, Fold, doubling_steps, exchange, fold_in, fold_out
+from .ring import chunk_edges, displacements
+
+
+def halving_steps(me: int, p2: int, edges: Sequence[int]) -> Iterator[Tuple[int, slice, slice]]:
+    """Recursive-halving schedule over p2 blocks between `edges`: per step the partner, the slice
+    `me` keeps (the half of its current range that holds block `me`) and the slice it gives away."""
+    lo, hi, mask = 0, p2, p2 // 2
+    while mask:
+        mid = lo + mask
+        keep, give = ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
+        yield me ^ mask, slice(edges[keep[0]], edges[keep[1]]), slice(edges[give[0]], edges[give[1]])
+        (lo, hi), mask = keep, mask // 2
+
+
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
+    """In-place Rabenseifner allreduce; recursive doubling when there are fewer elements than p'."""
+    fold = Fold.of(ch.size)
+    if ch.size == 1 or buf.size == 0:
+        return
+    if buf.size < fold.p2:
+        recursive_doubling.allreduce(ch, buf, op)
+        return
+    me, _ = fold_in(ch, fold, buf, op)
+    if me is not None:
+        edges = chunk_edges(buf.size, fold.p2)
+        incoming = np.empty(edges[fold.p2 // 2], buf.dtype)  # the first half is the largest kept part
+        steps = list(halving_steps(me, fold.p2, edges))
+        for tag, (peer, keep, give) in enumerate(steps, FIRST_STEP_TAG):
+            peer = fold.real(peer)
+            part = incoming[:keep.stop - keep.start]
+            exchange(ch, tag, peer, [buf[give]], peer, [part])
+            reduce_into(op, buf[keep], part)
+        for tag, (peer, mine, theirs) in enumerate(doubling_steps(me, fold.p2, edges),
+                                                   FIRST_STEP_TAG + len(steps)):
+            peer = fold.real(peer)
+            exchange(ch, tag, peer, [buf[mine]], peer, [buf[theirs]])
+    fold_out(ch, fold, buf, buf)
+
+
+def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+                   counts: Optional[Sequence[int]] = None) -> None:
+    """Recursive-halving reduce-scatter(v): rank r gets block r (counts[r] elements); `send` is kept.
+
+    Any n: with the fold, survivor i owns the blocks of the ranks it stands for (its own and the
+    absorbed rank's, adjacent so still one range) and hands the absorbed rank its block at the end.
+    """
+    n, r = ch.size, ch.rank
+    counts = [recv.size] * n if counts is None else list(counts)
+    full = displacements(counts)
+    if n == 1:
+        np.copyto(recv, send[:full[1]])
+        return
+    if full[n] == 0:
+        return
+    fold = Fold.of(n)
+    me, data = fold_in(ch, fold, send, op, in_place=False)
+    result = recv
+    if me is not None:
+        edges = [full[fold.first(i)] for i in range(fold.p2 + 1)]
+        absorbed = me < fold.rem  # then this survivor reduces blocks r-1 and r
+        out = np.empty(edges[me + 1] - edges[me], send.dtype) if absorbed else recv
+        steps = list(halving_steps(me, fold.p2, edges))
+        widest = steps[0][1].stop - steps[0][1].start  # kept ranges only shrink
+        partial = np.empty((min(len(steps) - 1, 2), widest), send.dtype)
+        cur, base = data, 0  # cur[i - base] holds the partial reduction of element i
+        for i, (peer, keep, give) in enumerate(steps):
+            peer = fold.real(peer)
+            acc = out if i == len(steps) - 1 else partial[i % 2, :keep.stop - keep.start]
+            exchange(ch, FIRST_STEP_TAG + i, peer, [cur[give.start - base:give.stop - base]],
+                     peer, [acc])
+            reduce_into(op, acc, cur[keep.start - base:keep.stop - base])
+            cur, base = acc, keep.start
+        if absorbed:
+            result = out[:counts[r - 1]]
+            np.copyto(recv, out[counts[r - 1]:])
+    fold_out(ch, fold, result, recv)

@@ -1,0 +1,388 @@
+"""`pycoll bench`: an nccl-tests-style benchmark, with Open MPI (mpi4py) and torch Gloo side by side.
+
+Run it on every rank (`pycoll run -n 4 pycoll bench allreduce ...` or under mpirun); rank 0 prints
+the table: size, count, type, redop, root, then time/algbw/busbw/#wrong out-of-place and in-place.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+NAMES = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
+         "alltoall": "alltoall", "broadcast": "broadcast", "reduce": "reduce", "allreduce": "allreduce",
+         "allgather": "allgather"}
+NCCL_TYPES = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16",
+              "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one collective is sized and scored (nccl-tests conventions)."""
+
+    factor: Callable[[int], float]  # busbw = algbw * factor(n)
+    total_is_sum: bool              # S counts every rank's block (allgather, reduce_scatter, alltoall)
+    reduces: bool
+    rooted: bool
+
+
+SPECS = {
+    "allreduce": Spec(lambda n: 2 * (n - 1) / n, False, True, False),
+    "reduce_scatter": Spec(lambda n: (n - 1) / n, True, True, False),
+    "allgather": Spec(lambda n: (n - 1) / n, True, False, False),
+    "alltoall": Spec(lambda n: (n - 1) / n, True, False, False),
+    "broadcast": Spec(lambda n: 1.0, False, False, True),
+    "reduce": Spec(lambda n: 1.0, False, True, True),
+}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '16M', '1G' -> bytes."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * mult[text[-1]]) if text and text[-1] in mult else int(text)
+
+
+def sizes(begin: int, end: int, factor: int, step: int) -> List[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        s = s * factor if factor > 1 else s + max(step, 1)
+    return out
+
+
+def pattern(rank: int, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """Small integers, so sums of a few ranks are exact in any dtype and any order."""
+    return ((np.arange(offset, offset + count) + rank) % 7).astype(dtype)
+
+
+class Case:
+    """Buffers and expected results for one collective at one size on this rank."""
+
+    def __init__(self, coll: str, nbytes: int, dtype: np.dtype, n: int, rank: int, root: int) -> None:
+        self.coll, self.dtype, self.n, self.rank, self.root = coll, dtype, n, rank, root
+        total = max(nbytes // dtype.itemsize, 0)
+        spec = SPECS[coll]
+        self.count = total - total % n if spec.total_is_sum else total  # elements counted by nccl-tests
+        self.block = self.count // n if spec.total_is_sum else self.count
+        self.nbytes = self.count * dtype.itemsize
+
+    def inputs(self) -> np.ndarray:
+        c = self.coll
+        if c in ("allreduce", "reduce"):
+            return pattern(self.rank, self.count, self.dtype)
+        if c == "broadcast":
+            return pattern(0, self.count, self.dtype) + (0 if self.rank == self.root else 1)
+        if c == "allgather":
+            return pattern(0, self.block, self.dtype, self.rank * self.block)
+        return pattern(self.rank, self.count, self.dtype)  # reduce_scatter, alltoall
+
+    def expected(self) -> Optional[np.ndarray]:
+        c, n, r, b = self.coll, self.n, self.rank, self.block
+        if c in ("allreduce", "reduce"):
+            if c == "reduce" and r != self.root:
+                return None
+            return sum(pattern(i, self.count, np.int64) for i in range(n)).astype(self.dtype)
+        if c == "broadcast":
+            return pattern(0, self.count, self.dtype)
+        if c == "allgather":
+            return pattern(0, self.count, self.dtype)
+        if c == "reduce_scatter":
+            return sum(pattern(i, self.count, np.int64)[r * b:(r + 1) * b] for i in range(n)).astype(self.dtype)
+        return np.concatenate([pattern(i, self.count, self.dtype)[r * b:(r + 1) * b] for i in range(n)])
+
+    def out_buffer(self) -> np.ndarray:
+        return np.empty(self.block if self.coll == "reduce_scatter" else self.count, self.dtype)
+
+
+def pycoll_call(comm: Any, case: Case, x: np.ndarray, out: Optional[np.ndarray], algo: Optional[str],
+                op: str) -> Callable[[], Any]:
+    """One collective call; out=None means in place (out aliases x for the block collectives)."""
+    c, r, root = case.coll, case.rank, case.root
+    kw = {} if algo in (None, "auto") else {"algo": algo}
+    if c == "allreduce":
+        return lambda: comm.allreduce(x, out=out, op=op, **kw)
+    if c == "reduce":
+        return lambda: comm.reduce(x, root=root, op=op, out=out, **kw)
+    if c == "broadcast":
+        return lambda: comm.broadcast(x, root=root, **kw)
+    if c == "allgather":
+        if out is None:  # in place: my block already sits inside the output
+            buf = x
+            return lambda: comm.allgather(buf[r * case.block:(r + 1) * case.block], out=buf, **kw)
+        return lambda: comm.allgather(x, out=out, **kw)
+    if c == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, out=out, op=op, **kw)
+    return lambda: comm.alltoall(x, out=out, **kw)
+
+
+def time_it(barrier: Callable[[], Any], call: Callable[[], Any], iters: int, warmup: int,
+            reduce_max: Callable[[float], float]) -> float:
+    """Mean seconds per call, the slowest rank's."""
+    for _ in range(warmup):
+        call()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return reduce_max((time.perf_counter() - t0) / max(iters, 1))
+
+
+def count_wrong(got: Optional[np.ndarray], want: Optional[np.ndarray]) -> int:
+    if want is None or got is None:
+        return 0
+    return int(np.count_nonzero(got.reshape(-1).astype(np.float64) != want.reshape(-1).astype(np.float64)))
+
+
+class Peers:
+    """Open MPI (mpi4py) and torch Gloo doing the same collective, for the ratio columns."""
+
+    def __init__(self, comm: Any, wanted: List[str]) -> None:
+        self.mpi = self.gloo = None
+        self.notes: List[str] = []
+        if "mpi" in wanted:
+            if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+                from mpi4py import MPI
+                self.mpi = MPI.COMM_WORLD
+            else:
+                self.notes.append("mpi: skipped (run under mpirun to compare with MPI)")
+        if "gloo" in wanted:
+            try:
+                import torch.distributed as dist
+            except ImportError:
+                self.notes.append("gloo: skipped (torch not installed)")
+            else:
+                self._init_gloo(comm, dist)
+
+    def _init_gloo(self, comm: Any, dist: Any) -> None:
+        port = np.zeros(1, np.int64)
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port[0] = s.getsockname()[1]
+        comm.broadcast(port, root=0)
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1") if comm.local_size != comm.size else "127.0.0.1"
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
+                                rank=comm.rank, world_size=comm.size)
+        self.gloo = dist
+
+    def mpi_call(self, case: Case, x: np.ndarray, out: np.ndarray) -> Callable[[], Any]:
+        from mpi4py import MPI
+        c, m = case.coll, self.mpi
+        if c == "allreduce":
+            return lambda: m.Allreduce(x, out, op=MPI.SUM)
+        if c == "reduce":
+            return lambda: m.Reduce(x, out, op=MPI.SUM, root=case.root)
+        if c == "broadcast":
+            return lambda: m.Bcast(x, root=case.root)
+        if c == "allgather":
+            return lambda: m.Allgather(x[:case.block], out)
+        if c == "reduce_scatter":
+            return lambda: m.Reduce_scatter_block(x, out, op=MPI.SUM)
+        return lambda: m.Alltoall(x, out)
+
+    def gloo_call(self, case: Case, x: np.ndarray, out: np.ndarray) -> Callable[[], Any]:
+        import torch
+        d, c = self.gloo, case.coll
+        tx, to = torch.from_numpy(x), torch.from_numpy(out)
+        if c == "allreduce":
+            return lambda: d.all_reduce(tx)
+        if c == "reduce":
+            return lambda: d.reduce(tx, dst=case.root)
+        if c == "broadcast":
+            return lambda: d.broadcast(tx, src=case.root)
+        if c == "allgather":
+            parts = list(to.chunk(case.n)) if case.count else [to] * case.n
+            return lambda: d.all_gather(parts, tx[:case.block])
+        if c == "reduce_scatter":
+            ins = list(tx.chunk(case.n)) if case.count else [tx] * case.n
+            return lambda: d.reduce_scatter(to, ins)
+        return lambda: d.all_to_all_single(to, tx)
+
+    def close(self) -> None:
+        if self.gloo is not None:
+            self.gloo.destroy_process_group()
+
+
+def header(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> str:
+    cols = ["#", f"# pycoll bench {args.collective}: {comm.size} ranks ({comm.local_size} on this host), "
+                 f"transport {comm.transport.name}, algorithm {algo}, dtype {args.dtype}, op {args.op}, "
+                 f"iters {args.iters}, warmup {args.warmup}, check {args.check}"]
+    cols += [f"# {note}" for note in peers.notes]
+    extra = "".join(f" {name + '(us)':>9} {'x' + name:>7}" for name in peer_names(peers))
+    cols += ["#",
+             f"# {'':>62}out-of-place{'':>23}in-place",
+             f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
+             f"{'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
+             f"{'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}{extra}",
+             f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>5} "
+             f"{'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7}"]
+    return "\n".join(cols)
+
+
+def peer_names(peers: Peers) -> List[str]:
+    return [name for name, peer in (("mpi", peers.mpi), ("gloo", peers.gloo)) if peer is not None]
+
+
+def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> List[Dict[str, Any]]:
+    """Run every size for one algorithm; print rows on rank 0; return them."""
+    dtype = _dtype(args.dtype)
+    spec = SPECS[args.collective]
+    root = args.root if spec.rooted else -1
+
+    def reduce_max(v: float) -> float:
+        return float(comm.allreduce(np.array([v]), op="max")[0])
+
+    rows = []
+    if comm.rank == 0:
+        print(header(args, comm, peers, algo), flush=True)
+    for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes):
+        case = Case(args.collective, nbytes, dtype, comm.size, comm.rank, max(root, 0))
+        row: Dict[str, Any] = {"collective": args.collective, "algo": algo, "ranks": comm.size,
+                               "transport": comm.transport.name, "size": case.nbytes, "count": case.count,
+                               "type": args.dtype, "redop": args.op if spec.reduces else "none",
+                               "root": root}
+        for place in ("out", "in"):
+            inplace_gather = place == "in" and args.collective == "allgather"
+            x = _allgather_inplace(case) if inplace_gather else case.inputs()
+            call = pycoll_call(comm, case, x, case.out_buffer() if place == "out" else None, algo, args.op)
+            wrong = count_wrong(call(), case.expected()) if args.check else 0
+            with np.errstate(all="ignore"):  # repeated in-place sums may overflow; timing only
+                t = time_it(comm.barrier, call, args.iters, args.warmup, reduce_max)
+            wrong = int(comm.allreduce(np.array([wrong], np.int64))[0])
+            row[place] = _scores(case, spec, comm.size, t, wrong)
+        for name in peer_names(peers):
+            x, out = case.inputs(), case.out_buffer()
+            call = getattr(peers, f"{name}_call")(case, x, out)
+            with np.errstate(all="ignore"):
+                t = time_it(comm.barrier, call, args.iters, args.warmup, reduce_max)
+            row[name] = _scores(case, spec, comm.size, t, 0)
+        rows.append(row)
+        if comm.rank == 0:
+            print(format_row(row, peer_names(peers)), flush=True)
+    if comm.rank == 0:
+        avg = np.mean([r["out"]["busbw"] for r in rows]) if rows else 0.0
+        wrong = sum(r["out"]["wrong"] + r["in"]["wrong"] for r in rows)
+        print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        print(f"# Avg bus bandwidth    : {avg:.6g}")
+        print("#", flush=True)
+    return rows
+
+
+def _allgather_inplace(case: Case) -> np.ndarray:
+    buf = np.zeros(case.count, case.dtype)
+    buf[case.rank * case.block:(case.rank + 1) * case.block] = case.inputs()
+    return buf
+
+
+def _scores(case: Case, spec: Spec, n: int, seconds: float, wrong: int) -> Dict[str, float]:
+    algbw = case.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * spec.factor(n), "wrong": wrong}
+
+
+def format_row(row: Dict[str, Any], names: List[str]) -> str:
+    cells = f"  {row['size']:>10} {row['count']:>12} {NCCL_TYPES.get(row['type'], row['type']):>8} " \
+            f"{row['redop']:>6} {row['root']:>5}"
+    for place in ("out", "in"):
+        s = row[place]
+        cells += f" {s['time_us']:>8.1f} {s['algbw']:>7.3f} {s['busbw']:>7.3f} {s['wrong']:>6}"
+    for name in names:
+        peer = row[name]
+        ratio = peer["time_us"] / row["out"]["time_us"] if row["out"]["time_us"] > 0 else 0.0
+        cells += f" {peer['time_us']:>9.1f} {ratio:>6.2f}x"
+    return cells
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        from ..ops import bfloat16
+        return bfloat16()
+    return np.dtype(name)
+
+
+def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
+    """busbw vs size, one line per library/algorithm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines: Dict[str, List[Tuple[int, float]]] = {}
+    for row in rows:
+        if row["size"] == 0:
+            continue
+        lines.setdefault(f"pycoll {row['algo']} ({row['transport']})", []).append(
+            (row["size"], row["out"]["busbw"]))
+        for name in ("mpi", "gloo"):
+            if name in row:
+                label = "Open MPI (mpi4py)" if name == "mpi" else "torch Gloo"
+                lines.setdefault(label, []).append((row["size"], row[name]["busbw"]))
+    for label, points in lines.items():
+        points = sorted(set(points))
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pycoll bench", description=__doc__.splitlines()[0])
+    p.add_argument("collective", choices=sorted(NAMES), help="which collective to measure")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("32M"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=1)
+    p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"))
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup", type=int, default=1)
+    p.add_argument("-c", "--check", type=int, default=1)
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("-o", "--op", default="sum")
+    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("--algo", default="auto", help="algorithm, comma list, or 'all'")
+    p.add_argument("--transport", default=None, help="PYCOLL_TRANSPORT for this run")
+    p.add_argument("--compare", default="", help="comma list of peers: mpi,gloo")
+    p.add_argument("--json", default=None, help="write every row to this JSON file")
+    p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.collective = NAMES[args.collective]
+    if args.minbytes > args.maxbytes or args.iters < 1 or args.stepfactor < 1:
+        print("pycoll bench: need -b <= -e, -n >= 1 and -f >= 1", file=sys.stderr)
+        return 2
+    import pycoll
+    from ..algorithms.registry import IMPLEMENTATIONS
+    comm = pycoll.init(transport=args.transport)
+    impls = IMPLEMENTATIONS[args.collective]
+    algos = list(impls) if args.algo == "all" else args.algo.split(",")
+    for algo in algos:
+        if algo != "auto" and algo not in impls:
+            print(f"pycoll bench: {args.collective} has no algorithm {algo!r} (choose from {sorted(impls)})",
+                  file=sys.stderr)
+            return 2
+    peers = Peers(comm, [p for p in args.compare.split(",") if p])
+    rows: List[Dict[str, Any]] = []
+    for algo in algos:
+        rows += bench_algo(args, comm, peers, algo)
+    if comm.rank == 0:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        if args.plot:
+            plot(rows, args.plot, f"{args.collective}, {comm.size} ranks, {args.dtype} {args.op}")
+    peers.close()
+    comm.close()
+    return 0
