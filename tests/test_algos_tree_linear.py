@@ -26,6 +26,7 @@ ALLREDUCES = ("allreduce", "allreduce_double_tree")
 PIPELINED = ("allreduce_double_tree", "broadcast_chain")
 ROOTED = ("broadcast", "broadcast_chain", "gather", "scatter")
 ALLTOALLS = ("alltoall", "alltoallv")
+VCOUNTED = ("gather", "scatter")
 LARGE = ("allreduce", "allreduce_double_tree", "reduce", "broadcast", "broadcast_chain")
 NS = [1, 2, 3, 4, 5, 7, 8]
 
@@ -62,13 +63,13 @@ def _cases(n: int) -> List[Case]:
         for dtype in FLOATS + [INT32]:
             cases += [Case(a, count, dtype, root=root) for a in ROOTED for root in roots]
             cases += [Case(a, count, dtype) for a in ALLTOALLS]
-        cases += [Case(a, count, f32, root=root, vcounts=True) for a in ("gather", "scatter") for root in roots]
+        cases += [Case(a, count, f32, root=root, vcounts=True) for a in VCOUNTED for root in roots]
         cases += [Case(a, count, dtype, op, seg=SMALL_SEG) for a in PIPELINED for dtype, op in BIG]
     for dtype, op in BIG:
         cases += [Case(a, 100_003, dtype, op, roots[-1]) for a in LARGE]
         cases += [Case(a, 100_003, dtype, op, seg=SMALL_SEG) for a in PIPELINED]
     cases += [Case(a, 100_003 // n, f32) for a in ALLTOALLS]
-    cases += [Case(a, 100_003 // n, f32, root=roots[-1], vcounts=True) for a in ("gather", "scatter")]
+    cases += [Case(a, 100_003 // n, f32, root=roots[-1], vcounts=True) for a in VCOUNTED]
     cases += [Case(a, 100_003, f32, rand=True) for a in ALLREDUCES]
     return cases + [Case(a, 1_000_003, f32) for a in PIPELINED]  # several default 1 MiB segments
 
@@ -117,17 +118,18 @@ def _execute(comm: Any, idx: int, case: Case) -> Optional[np.ndarray]:
     n, r = comm.size, comm.rank
     tree.SEGMENT_BYTES = case.seg
     ch = comm.channel(case.algo)
-    mine = _data(idx, r, case.count, case)
     if case.algo in ("broadcast", "broadcast_chain"):
-        buf = mine if r == case.root else np.full(case.count, SENTINEL, case.dtype)
+        buf = _data(idx, r, case.count, case) if r == case.root else np.full(case.count, SENTINEL, case.dtype)
         getattr(tree, case.algo)(ch, buf, case.root)
         return buf
     if case.algo == "reduce":
-        tree.reduce(ch, mine, case.op, case.root)
-        return mine
-    if case.algo in ("allreduce", "allreduce_double_tree"):
-        getattr(tree, case.algo)(ch, mine, case.op)
-        return mine
+        buf = _data(idx, r, case.count, case)
+        tree.reduce(ch, buf, case.op, case.root)
+        return buf
+    if case.algo in ALLREDUCES:
+        buf = _data(idx, r, case.count, case)
+        getattr(tree, case.algo)(ch, buf, case.op)
+        return buf
     if case.algo == "alltoall":
         send = _data(idx, r, n * case.count, case)
         recv = np.full(send.size, SENTINEL, case.dtype)
@@ -161,7 +163,7 @@ def _expected(idx: int, case: Case, n: int) -> List[Optional[np.ndarray]]:
     inputs = [_data(idx, r, case.count, case) for r in range(n)]
     if case.algo in ("broadcast", "broadcast_chain"):
         return [inputs[case.root]] * n
-    if case.algo in ("reduce", "allreduce", "allreduce_double_tree"):
+    if case.algo in ("reduce",) + ALLREDUCES:
         total = UFUNCS[case.op].reduce(np.stack(inputs), axis=0).astype(case.dtype)
         if case.algo == "reduce":
             return [total if r == case.root else inputs[r] for r in range(n)]

@@ -21,11 +21,15 @@ def _segments(count: int, itemsize: int) -> List[Tuple[int, int]]:
     return [(a, min(a + step, count)) for a in range(0, count, step)]
 
 
+def _vrank(ch: Channel, root: int) -> int:
+    """This rank's position when ranks are rotated so that `root` is virtual rank 0."""
+    return (ch.rank - root) % ch.size
+
+
 def _binomial(ch: Channel, root: int) -> Tree:
-    """Binomial tree rooted at `root` (virtual rank v = rank - root): parent clears v's lowest bit,
-    children are v + 2^k below it; children come smallest subtree first."""
-    n = ch.size
-    v = (ch.rank - root) % n
+    """Binomial tree rooted at `root` on virtual ranks: v's parent clears its lowest set bit, its
+    children are v + 2^k below that bit; children come smallest subtree first."""
+    n, v = ch.size, _vrank(ch, root)
     low = v & -v if v else 1 << (n - 1).bit_length()
     parent = None if v == 0 else ((v & (v - 1)) + root) % n
     children, mask = [], 1
@@ -57,7 +61,7 @@ def _double_tree(ch: Channel) -> Tuple[Tree, Tree]:
     in one tree are (mostly) leaves in the other."""
     n, r = ch.size, ch.rank
     if n % 2 == 0:
-        to, back = (lambda x: n - 1 - x), (lambda x: n - 1 - x)
+        to = back = lambda x: n - 1 - x
     else:
         to, back = (lambda x: (x - 1) % n), (lambda x: (x + 1) % n)
     parent, children = _btree(to(r), n)
@@ -95,7 +99,7 @@ def broadcast_chain(ch: Channel, buf: np.ndarray, root: int) -> None:
     n, r = ch.size, ch.rank
     if n == 1 or not buf.size:
         return
-    v = (r - root) % n
+    v = _vrank(ch, root)
     segs = [buf[a:b] for a, b in _segments(buf.size, buf.itemsize)]
     recvs = [ch.irecv(seg, (r - 1) % n, tag=i) for i, seg in enumerate(segs)] if v else []
     sends: List[Request] = []
@@ -190,8 +194,9 @@ def allreduce_double_tree(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
     half = (buf.size + 1) // 2
     trees = _double_tree(ch)
     lanes = [_Lane(ch, buf[:half], op, trees[0], 0), _Lane(ch, buf[half:], op, trees[1], 1)]
-    # Every rank runs the same schedule (deadlock-free since sends never block); broadcasts trail
-    # reductions by `lag` segments, about twice the tree depth, so the final values are there.
+    # All ranks run the same step order and every wait is for a message its peer posts at the same
+    # or an earlier step, so there is no deadlock; broadcasts trail reductions by `lag` segments
+    # (about twice the tree depth) so that a segment's final value has usually arrived when needed.
     lag = 2 * n.bit_length()
     for k in range(len(lanes[0].segs) + lag):
         for lane in lanes:
