@@ -115,10 +115,62 @@ def _ship(arr, data):
     return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
 
 
+def _span(arr):
+    start = arr.__array_interface__["data"][0]
+    return start, start + arr.nbytes
+
+
+class HazardChannel:
+    """A Channel (and reduce_into) wrapper that fails on any buffer race, whatever the timing.
+
+    Until wait() returns, a transport may still read a posted send's buffer (zero-copy) and may
+    write a posted receive's buffer at any moment. So writing (receive or reduce) into memory of
+    any pending request, or reading (send or reduce operand) memory of a pending receive, is a bug.
+    """
+
+    def __init__(self, ch):
+        self.ch, self.rank, self.size = ch, ch.rank, ch.size
+        self.pending = {}  # id(request) -> (request, is_recv, (start, end))
+
+    def _touch(self, arr, write, what):
+        lo, hi = _span(arr)
+        for req, is_recv, (a, b) in self.pending.values():
+            if lo < b and a < hi and arr.nbytes and (write or is_recv):
+                raise AssertionError(f"rank {self.rank}: {what} overlaps a pending {req.describe()} "
+                                     f"tag {req.key.tag}")
+
+    def _track(self, req, arr, is_recv):
+        self.pending[id(req)] = (req, is_recv, _span(arr))
+        return req
+
+    def isend(self, arr, peer, tag=0):
+        self._touch(arr, False, f"send to {peer} tag {tag}")
+        return self._track(self.ch.isend(arr, peer, tag), arr, False)
+
+    def irecv(self, arr, peer, tag=0):
+        self._touch(arr, True, f"receive from {peer} tag {tag}")
+        return self._track(self.ch.irecv(arr, peer, tag), arr, True)
+
+    def wait(self, *reqs):
+        self.ch.wait(*reqs)
+        for req in reqs:
+            self.pending.pop(id(req), None)
+
+    def sendrecv(self, send, dst, recv, src, tag=0):
+        self.wait(self.irecv(recv, src, tag), self.isend(send, dst, tag))
+
+    def reduce_into(self, op, acc, other):
+        from pycoll.ops import reduce_into
+        self._touch(acc, True, "reduction result")
+        self._touch(other, False, "reduction operand")
+        reduce_into(op, acc, other)
+
+
 def _run_cases(comm, cases):
-    """Rank side: run each case on a fresh channel; return (result or digest, send untouched)."""
+    """Rank side: run each case on a fresh (hazard-checked) channel; return (result or digest,
+    send untouched)."""
     from pycoll.algorithms import halving_doubling, recursive_doubling, ring
-    from pycoll.ops import as_op
+    from pycoll.ops import as_op, reduce_into
     modules = {"ring": ring, "recursive_doubling": recursive_doubling,
                "halving_doubling": halving_doubling}
     default_segment = ring.SEGMENT_BYTES
@@ -131,7 +183,9 @@ def _run_cases(comm, cases):
         kept = None if kind == "allreduce" else mine.tobytes()
         v = None if len(set(counts)) == 1 else list(counts)
         fn = getattr(modules[algo], kind)
-        ch = comm.channel("allreduce")
+        ch = HazardChannel(comm.channel("allreduce"))
+        for module in modules.values():
+            module.reduce_into = ch.reduce_into
         ring.SEGMENT_BYTES = segment or default_segment
         try:
             if kind == "allreduce":
@@ -145,6 +199,8 @@ def _run_cases(comm, cases):
                 fn(ch, mine, res, v)
         finally:
             ring.SEGMENT_BYTES = default_segment
+            for module in modules.values():
+                module.reduce_into = reduce_into
         out.append((_ship(res, data), kept is None or mine.tobytes() == kept))
     return out
 

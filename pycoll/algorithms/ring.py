@@ -72,6 +72,11 @@ class Segments:
         a, b = self.rel[block % self.n][k]
         return slice(a, b)
 
+    def length(self, block: int, k: int) -> int:
+        """Elements in segment k of block `block` (mod n)."""
+        a, b = self.rel[block % self.n][k]
+        return b - a
+
 
 def _pipeline(ch: Channel, iterations: int, transfer: Callable[[int], Transfer],
               op: Optional[ReduceOp]) -> None:
@@ -133,18 +138,16 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
         np.copyto(recv, send[:edges[1]])
         return
     seg = Segments(edges, send.itemsize)
-    widest = max(b - a for a, b in zip(edges, edges[1:]))
-    partial = np.empty((min(n - 2, 2), widest), send.dtype)  # blocks being accumulated, double-buffered
+    # partial sums in flight, double-buffered by step; one slot per segment index, so a receive never
+    # overlaps a send still in flight when blocks (and so their segments) differ in size
+    partial = np.empty((min(n - 2, 2), seg.spr, seg.width), send.dtype)
 
     def transfer(j: int) -> Transfer:
         s, k = divmod(j, seg.spr)  # step s: pass block r-s-1 on, receive block r-s-2 (r at the end)
-        if s == 0:
-            out = send[seg.at(r - 1, k)]
-        else:
-            out = partial[(s - 1) % 2, seg.within(r - s - 1, k)]
-        into = recv if s == n - 2 else partial[s % 2]
-        incoming = into[seg.within(r - s - 2, k)]
-        return out, incoming, incoming, send[seg.at(r - s - 2, k)]
+        own = send[seg.at(r - s - 2, k)]
+        incoming = recv[seg.within(r, k)] if s == n - 2 else partial[s % 2, k, :own.size]
+        out = send[seg.at(r - 1, k)] if s == 0 else partial[(s - 1) % 2, k, :seg.length(r - s - 1, k)]
+        return out, incoming, incoming, own
 
     _pipeline(ch, (n - 1) * seg.spr, transfer, op)
 
