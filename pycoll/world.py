@@ -44,7 +44,7 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     name = transport or os.environ.get("PYCOLL_TRANSPORT", "auto")
     single_host = membership.local_size == job.size
     address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
-    tr = create_transport(name, job.rank, job.size, address)
+    tr = create_transport(name, job.rank, job.size, address, membership.hosts)
     try:
         tr.connect(ns, token, timeout)
     except BaseException:

@@ -1,20 +1,39 @@
-"""Transports: the byte-moving layer under the algorithms (tcp now; shm, mpi, verbs plug in here)."""
+"""Transports: the byte-moving layer under the algorithms. Each is `Class(rank, size, address, hosts)`
+followed by `connect(store, token, timeout)`; `auto` mixes them per peer pair."""
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import List, Optional
 
 from .base import MsgKey, Request, Transport
 
-NAMES = ("auto", "tcp")
+# name -> "module:Class" (imported on first use, so optional dependencies stay optional)
+REGISTRY = {
+    "tcp": "tcp:TcpTransport",
+    "shm": "shm:ShmTransport",
+    "mpi": "mpi:MpiTransport",
+    "auto": "mux:AutoTransport",
+}
+NAMES = tuple(REGISTRY)
 
 
-def create_transport(name: str, rank: int, size: int, address: Optional[str] = None) -> Transport:
-    """Build the transport called `name` (PYCOLL_TRANSPORT); ValueError for unknown names."""
+def create_transport(name: str, rank: int, size: int, address: Optional[str] = None,
+                     hosts: Optional[List[str]] = None) -> Transport:
+    """Build the transport called `name` (PYCOLL_TRANSPORT); ValueError for unknown names.
+
+    `hosts[r]` is rank r's host id, so a transport can tell same-host peers from remote ones.
+    """
     name = (name or "auto").lower()
-    if name in ("auto", "tcp"):
-        from .tcp import TcpTransport
-        return TcpTransport(rank, size, address)
-    raise ValueError(f"PYCOLL_TRANSPORT={name!r} is not available; choose one of {list(NAMES)}")
+    if name not in REGISTRY:
+        raise ValueError(f"PYCOLL_TRANSPORT={name!r} is not a transport; choose one of {list(NAMES)}")
+    module, _, cls = REGISTRY[name].partition(":")
+    try:
+        mod = importlib.import_module(f"{__name__}.{module}")
+    except ModuleNotFoundError as e:
+        if name == "auto" and e.name == f"{__name__}.{module}":  # until mux exists, auto is tcp
+            return create_transport("tcp", rank, size, address, hosts)
+        raise
+    return getattr(mod, cls)(rank, size, address, hosts)
 
 
-__all__ = ["MsgKey", "Request", "Transport", "create_transport", "NAMES"]
+__all__ = ["MsgKey", "Request", "Transport", "create_transport", "NAMES", "REGISTRY"]

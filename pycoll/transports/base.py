@@ -68,8 +68,14 @@ class Transport(ABC):
         """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`."""
 
     @abstractmethod
+    def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
+        """Make progress until every request is done (True) or `timeout` s pass (False); never spins."""
+
     def wait(self, reqs: Sequence[Request], timeout: float, what: str) -> None:
         """Block until every request is done; raise its error, or TimeoutError naming the peers."""
+        if not self.wait_for(reqs, timeout):
+            raise self._timeout_error(reqs, timeout, what)
+        self._raise_errors(reqs)
 
     @abstractmethod
     def close(self) -> None:

@@ -7,6 +7,7 @@ with recv_into straight into the posted buffer. Whichever thread waits drives th
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
@@ -36,7 +37,8 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, rank: int, size: int, address: Optional[str] = None) -> None:
+    def __init__(self, rank: int, size: int, address: Optional[str] = None,
+                 hosts: Optional[List[str]] = None) -> None:
         super().__init__(rank, size)
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -120,15 +122,15 @@ class TcpTransport(Transport):
         req.done = True
         return req
 
-    def wait(self, reqs: Sequence[Request], timeout: float, what: str) -> None:
+    def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
             pending = [r for r in reqs if not r.done and not self._send_finished(r)]
             if not pending:
-                break
+                return True
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._timeout_error(reqs, timeout, what)
+                return False
             step = min(left, _SLICE)
             if any(r.is_recv for r in pending):
                 self._progress(pending, step)
@@ -137,7 +139,6 @@ class TcpTransport(Transport):
                     pending[0].handle.wait(step)
                 except zmq.NotDone:
                     pass
-        self._raise_errors(reqs)
 
     @staticmethod
     def _send_finished(req: Request) -> bool:
@@ -160,7 +161,7 @@ class TcpTransport(Transport):
 
     def _drain(self, step: float) -> None:
         """Wait up to `step` s for traffic, then handle every message already queued (io lock held)."""
-        events = dict(self._poller.poll(int(step * 1000)))
+        events = dict(self._poller.poll(math.ceil(step * 1000)))
         if self._monitor in events:
             self._log_monitor_events()
         if self._router not in events:
