@@ -4,11 +4,11 @@ Algorithms call only this, so they never see sockets, transports or global rank 
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
-from .ops import dtype_code
+from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
 
 
@@ -24,6 +24,7 @@ class Channel:
                  seq: int, timeout: float, what: str) -> None:
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
+        self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
 
     def isend(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Start sending `arr` to communicator rank `peer`."""
@@ -35,9 +36,31 @@ class Channel:
         return self.transport.irecv(byte_view(arr), self.group[peer], MsgKey(self.comm_id, self.seq, tag),
                                     dtype_code(arr.dtype))
 
+    def irecv_reduce(self, out: np.ndarray, other: np.ndarray, peer: int, tag: int, op: ReduceOp,
+                     scratch: np.ndarray) -> Request:
+        """Receive out.size elements from `peer` and leave op(incoming, other) in `out`.
+
+        Where the transport can hand over its wire buffer, the reduction reads it directly (no copy
+        into scratch); otherwise the message lands in `scratch` and is reduced in wait().
+        """
+        key = MsgKey(self.comm_id, self.seq, tag)
+        code = dtype_code(out.dtype)
+        if self.transport.supports_sink:
+            def sink(payload: memoryview) -> None:
+                combine(op, np.frombuffer(payload, out.dtype), other, out)
+            return self.transport.irecv(byte_view(out), self.group[peer], key, code, sink=sink)
+        req = self.transport.irecv(byte_view(scratch), self.group[peer], key, code)
+        self._after[id(req)] = lambda: combine(op, scratch, other, out)
+        return req
+
     def wait(self, *reqs: Request) -> None:
-        """Wait for the requests within this call's deadline."""
+        """Wait for the requests within this call's deadline (and finish deferred reductions)."""
         self.transport.wait(reqs, self.timeout, self.what)
+        if self._after:
+            for r in reqs:
+                then = self._after.pop(id(r), None)
+                if then is not None:
+                    then()
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int = 0) -> None:
         """Exchange in one step: post the receive first so the peer's send lands directly."""

@@ -150,9 +150,13 @@ class Communicator:
         fn = self._algorithm("allreduce", src.nbytes, algo)
 
         def body(ch: Channel) -> Any:
-            if dst is not src:
+            if dst is src:
+                fn(ch, flat(dst), op)
+            elif getattr(fn, "accepts_src", False):
+                fn(ch, flat(dst), op, src=flat(src))
+            else:
                 np.copyto(flat(dst), flat(src))
-            fn(ch, flat(dst), op)
+                fn(ch, flat(dst), op)
             if op is AVG:
                 finish_avg(dst, ch.size)
             return x if out is None else out

@@ -65,6 +65,9 @@ def as_op(op: Union[ReduceOp, str]) -> ReduceOp:
 
 def dtype_code(dtype: np.dtype) -> int:
     """The wire code of a dtype; TypeError for dtypes no collective supports."""
+    code = DTYPE_CODES.get(dtype)  # the hot path: a dict hit, no dtype introspection
+    if code is not None:
+        return code
     dtype = np.dtype(dtype)
     if is_bfloat16(dtype):
         return DTYPE_CODES.setdefault(dtype, BFLOAT16_CODE)
@@ -77,22 +80,30 @@ def dtype_code(dtype: np.dtype) -> int:
 
 def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     """TypeError when the op does not fit the dtype (bitwise on floats, ordering on complex)."""
-    dtype = np.dtype(dtype)
     dtype_code(dtype)
-    if op in _BITWISE and (dtype.kind not in "biu" or is_bfloat16(dtype)):
+    dtype = np.dtype(dtype)
+    if op in _BITWISE and dtype.kind not in "biu":
         raise TypeError(f"op {op.value} needs an integer or bool dtype, got {dtype}")
     if op in (MIN, MAX) and dtype.kind == "c":
         raise TypeError(f"op {op.value} is not defined for complex dtype {dtype}")
 
 
+def _ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
+    if dtype == np.bool_ and op in (SUM, AVG):
+        return np.logical_or
+    if dtype == np.bool_ and op == PROD:
+        return np.logical_and
+    return _UFUNCS[op]
+
+
 def reduce_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """acc = op(acc, other), elementwise and in place (AVG sums; the caller divides at the end)."""
-    ufunc = _UFUNCS[op]
-    if acc.dtype == np.bool_ and op in (SUM, AVG):
-        ufunc = np.logical_or
-    elif acc.dtype == np.bool_ and op == PROD:
-        ufunc = np.logical_and
-    ufunc(acc, other, out=acc)
+    _ufunc(op, acc.dtype)(acc, other, out=acc)
+
+
+def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = op(a, b) elementwise, with no temporary (out may be a or b)."""
+    _ufunc(op, out.dtype)(a, b, out=out)
 
 
 def finish_avg(buf: np.ndarray, size: int) -> None:

@@ -151,10 +151,19 @@ class HazardChannel:
         self._touch(arr, True, f"receive from {peer} tag {tag}")
         return self._track(self.ch.irecv(arr, peer, tag), arr, True)
 
+    def irecv_reduce(self, out, other, peer, tag, op, scratch):
+        """Until wait, `out` may be written and `other` read at any moment (reduction on arrival)."""
+        self._touch(out, True, f"reduce-receive from {peer} tag {tag}")
+        self._touch(other, False, f"reduce operand for {peer} tag {tag}")
+        req = self._track(self.ch.irecv_reduce(out, other, peer, tag, op, scratch), out, True)
+        self.pending[(id(req), "operand")] = (req, False, _span(other))
+        return req
+
     def wait(self, *reqs):
         self.ch.wait(*reqs)
         for req in reqs:
             self.pending.pop(id(req), None)
+            self.pending.pop((id(req), "operand"), None)
 
     def sendrecv(self, send, dst, recv, src, tag=0):
         self.wait(self.irecv(recv, src, tag), self.isend(send, dst, tag))

@@ -5,6 +5,7 @@ of the named algorithms, `coll:list` to one collective, and `^` excludes instead
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Callable, Dict, FrozenSet, List, Optional
@@ -62,6 +63,7 @@ def parse_algo(spec: Optional[str]) -> Dict[str, FrozenSet[str]]:
     return allowed
 
 
+@functools.lru_cache(maxsize=None)
 def resolve(collective: str, algorithm: str) -> Callable:
     """The function implementing `algorithm` for `collective`."""
     module, _, func = IMPLEMENTATIONS[collective][algorithm].partition(":")

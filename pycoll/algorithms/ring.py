@@ -13,11 +13,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..channel import Channel
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp
 
 SEGMENT_BYTES = 1 << 20
 
-# one pipelined iteration: (send this, receive into this, then acc = op(acc, other) unless acc is None)
+# one pipelined iteration: (send this, receive into `out`, other, scratch): with `other`, out ends as
+# op(incoming, other), reduced straight from the wire buffer where the transport allows, else via scratch
 Transfer = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
 
 
@@ -81,24 +82,27 @@ class Segments:
 def _pipeline(ch: Channel, iterations: int, transfer: Callable[[int], Transfer],
               op: Optional[ReduceOp]) -> None:
     """Run ring iterations 0..iterations-1: iteration j sends to the right and receives from the left
-    on tag j, then reduces. Iteration j+1 is posted before iteration j is waited on and reduced, so
-    two are in flight; callers forward a segment only spr >= 2 iterations after receiving it.
+    on tag j, reducing on arrival. Iteration j+1 is posted before iteration j is waited on, so two
+    are in flight; callers forward a segment only spr >= 2 iterations after receiving it.
     Empty segments are skipped (both ends compute the same sizes)."""
     right, left = (ch.rank + 1) % ch.size, (ch.rank - 1) % ch.size
 
     def post(j: int) -> tuple:
-        send, recv, acc, other = transfer(j)
-        return (ch.irecv(recv, left, j) if recv.size else None,
-                ch.isend(send, right, j) if send.size else None, acc, other)
+        send, out, other, scratch = transfer(j)
+        if not out.size:
+            rreq = None
+        elif other is None:
+            rreq = ch.irecv(out, left, j)
+        else:
+            rreq = ch.irecv_reduce(out, other, left, j, op, scratch)
+        return rreq, ch.isend(send, right, j) if send.size else None
 
     nxt = post(0) if iterations else None
     for j in range(iterations):
-        rreq, sreq, acc, other = nxt
+        rreq, sreq = nxt
         nxt = post(j + 1) if j + 1 < iterations else None
         if rreq is not None:
             ch.wait(rreq)
-            if acc is not None:
-                reduce_into(op, acc, other)
         if sreq is not None:
             ch.wait(sreq)
 
@@ -109,24 +113,31 @@ def _forward(seg: Segments, buf: np.ndarray, first: int, j: int) -> Transfer:
     return buf[seg.at(first - s, k)], buf[seg.at(first - s - 1, k)], None, None
 
 
-def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
-    """In-place pipelined ring allreduce of the flat array `buf`."""
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
+    """Pipelined ring allreduce into the flat array `buf`, of `src` (out of place, no extra copy) or of
+    `buf` itself. Every element of `buf` is written: n-1 blocks by the reduce-scatter, the rest by the
+    allgather."""
     n, r = ch.size, ch.rank
+    src = buf if src is None else src
     if n == 1 or buf.size == 0:
+        if src is not buf:
+            np.copyto(buf, src)
         return
     seg = Segments(chunk_edges(buf.size, n), buf.itemsize)
-    tmp = np.empty((2, seg.width), buf.dtype)  # double buffer for incoming segments
+    tmp = np.empty((2, seg.width), buf.dtype)  # double buffer, for transports that cannot reduce on arrival
     half = (n - 1) * seg.spr
 
     def transfer(j: int) -> Transfer:
         if j >= half:  # allgather of the reduced blocks
             return _forward(seg, buf, r + 1, j - half)
         s, k = divmod(j, seg.spr)  # reduce-scatter: afterwards rank r owns the reduced block r+1
-        mine = buf[seg.at(r - s - 1, k)]
-        incoming = tmp[j % 2, :mine.size]
-        return buf[seg.at(r - s, k)], incoming, mine, incoming
+        mine = seg.at(r - s - 1, k)
+        return (src if s == 0 else buf)[seg.at(r - s, k)], buf[mine], src[mine], tmp[j % 2, :mine.stop - mine.start]
 
     _pipeline(ch, 2 * half, transfer, op)
+
+
+allreduce.accepts_src = True  # type: ignore[attr-defined]  # the Communicator skips its copy
 
 
 def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
@@ -147,7 +158,7 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
         own = send[seg.at(r - s - 2, k)]
         incoming = recv[seg.within(r, k)] if s == n - 2 else partial[s % 2, k, :own.size]
         out = send[seg.at(r - 1, k)] if s == 0 else partial[(s - 1) % 2, k, :seg.length(r - s - 1, k)]
-        return out, incoming, incoming, own
+        return out, incoming, own, incoming
 
     _pipeline(ch, (n - 1) * seg.spr, transfer, op)
 

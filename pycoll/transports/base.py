@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from ..bootstrap.store import Store
 from ..errors import ProtocolError, TimeoutError
@@ -25,14 +25,26 @@ class MsgKey(NamedTuple):
 class Request:
     """One posted send or receive; `done` flips when the buffer may be reused or read."""
 
-    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle")
+    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle", "sink")
 
-    def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool) -> None:
+    def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool,
+                 sink: Optional[Callable[[memoryview], None]] = None) -> None:
         self.peer, self.key, self.view, self.dtype, self.is_recv = peer, key, view, dtype, is_recv
         self.nbytes = view.nbytes
         self.done = False
         self.error: Optional[BaseException] = None
         self.handle: Any = None  # transport-private: a send tracker, an MPI request, ...
+        self.sink = sink         # consumes the payload instead of a copy into `view` (see irecv)
+
+    def deliver(self, payload: memoryview) -> None:
+        """Hand a received payload (already size-checked) to the sink, or copy it into the view."""
+        if self.sink is None:
+            self.view[:] = payload
+            return
+        try:
+            self.sink(payload)
+        except Exception as e:  # the waiter gets it, naming the peer
+            self.error = e
 
     def check_incoming(self, rank: int, nbytes: int, dtype: int) -> None:
         """Fail this receive (without touching its buffer) if the message does not fit it."""
@@ -51,6 +63,7 @@ class Transport(ABC):
     """Full-mesh point-to-point between the ranks of one job."""
 
     name = "base"
+    supports_sink = False  # True when irecv(..., sink=f) hands the payload to f without a copy
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -64,8 +77,13 @@ class Transport(ABC):
         """Start sending a contiguous byte view; the view must stay untouched until the request is done."""
 
     @abstractmethod
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`."""
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
+              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+        """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`.
+
+        With `sink` (only where supports_sink), the payload is passed to sink(payload) instead,
+        in the progressing thread, e.g. to reduce straight from the wire buffer.
+        """
 
     @abstractmethod
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:

@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
@@ -26,6 +26,8 @@ from .base import MsgKey, Request, Transport
 log = logging.getLogger("pycoll.tcp")
 
 COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
+IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
+SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _LINGER_MS = 5000
 
@@ -36,15 +38,18 @@ class TcpTransport(Transport):
     """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
 
     name = "tcp"
+    supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
         super().__init__(rank, size)
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = zmq.Context(io_threads=IO_THREADS)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, -1)
+        if SOCKET_BUFFER:
+            self._router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
         addr = address or select_address()[1]
         port = self._router.bind_to_random_port(f"tcp://{addr}")
         self.endpoint = f"tcp://{addr}:{port}"
@@ -76,6 +81,8 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
             sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
+            if SOCKET_BUFFER:
+                sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
             sock.connect(endpoint)
             nonce = secrets.token_bytes(16)
             hello = wire.make_hello(token, self.rank, peer, nonce)
@@ -104,8 +111,9 @@ class TcpTransport(Transport):
                 req.done = True
         return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True)
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
+              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+        req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
         match = (peer, key.comm_id, key.seq, key.tag)
         with self._match:
             queue = self._unexpected.get(match)
@@ -118,7 +126,7 @@ class TcpTransport(Transport):
                 return req
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is None:
-            view[:] = frame.buffer
+            req.deliver(frame.buffer)
         req.done = True
         return req
 
@@ -203,15 +211,22 @@ class TcpTransport(Transport):
                 self._unexpected.setdefault(match, deque()).append((header, self._router.recv(copy=False)))
                 return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
-        if req.error is None:
-            got = self._router.recv_into(req.view)
-            if got != req.nbytes:
-                req.error = PeerError(f"rank {self.rank}: rank {peer} announced {req.nbytes} bytes but "
-                                      f"sent {got}", peer)
-        else:
+        if req.error is not None:
             self._router.recv(copy=False)
+        elif req.sink is not None:
+            frame = self._router.recv(copy=False)
+            self._check_length(req, len(frame.buffer))
+            if req.error is None:
+                req.deliver(frame.buffer)
+        else:
+            self._check_length(req, self._router.recv_into(req.view))
         self._skip_rest()
         req.done = True
+
+    def _check_length(self, req: Request, got: int) -> None:
+        if got != req.nbytes and req.error is None:
+            req.error = PeerError(f"rank {self.rank}: rank {req.peer} announced {req.nbytes} bytes but "
+                                  f"sent {got}", req.peer)
 
     def _accept_hello(self, ident: bytes, payload: bytes) -> None:
         try:

@@ -1,0 +1,168 @@
+"""The data-parallel training run: broadcast the start, train on shards, evaluate, gather the timings."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..comm import Communicator
+from .data import Digits, eval_shard, global_batches, load_digits, shard, steps_per_epoch
+from .model import Params, forward, init_params, layer_sizes, loss_and_correct
+from .replica import Replica
+from .report import Console, Metrics, Window, epoch_line, header_line, step_line
+from .timing import breakdown, throughput
+
+BASELINE_STEPS = 20  # timed steps of the in-run 1-rank baseline (after one warm-up step)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What defines a run (the CLI's options); batch_size is global and split evenly across ranks."""
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    hidden: Tuple[int, ...] = (128, 64)
+    bucket_kb: float = 16.0
+    seed: int = 0
+    log_every: int = 10
+    dtype: str = "float32"
+    straggler: Optional[Tuple[int, float]] = None  # (rank, milliseconds it sleeps every step)
+    baseline_sps: Optional[float] = None  # 1-rank samples/s; None: measure it in this run
+    blas_threads: int = 1  # per rank, like torchrun's OMP_NUM_THREADS=1: ranks share the cores
+
+
+class ConfigError(ValueError):
+    """A TrainConfig that cannot run on this many ranks."""
+
+
+def check_config(cfg: TrainConfig, ranks: int) -> None:
+    """Raise ConfigError naming the option that does not fit (before any rank communicates)."""
+    if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.bucket_kb < 0 or cfg.log_every < 0 \
+            or cfg.blas_threads < 1:
+        raise ConfigError("--epochs, --batch-size and --blas-threads must be positive, "
+                          "--bucket-kb and --log-every not negative")
+    if cfg.batch_size % ranks:
+        raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {ranks} ranks")
+    if cfg.straggler and not 0 <= cfg.straggler[0] < ranks:
+        raise ConfigError(f"--straggler rank {cfg.straggler[0]} is not in 0..{ranks - 1}")
+
+
+@dataclass
+class TrainResult:
+    """Final parameters and metrics; the gathered timings and throughput are filled in on rank 0 only."""
+    params: Params
+    train: Metrics
+    test: Metrics
+    plan: List[List[int]]
+    replicas_identical: bool
+    epochs: List[Tuple[Window, Metrics]] = field(default_factory=list)
+    records: Optional[np.ndarray] = None  # (ranks, steps, columns), seconds since the common start
+    samples_per_s: Optional[float] = None
+    baseline_sps: Optional[float] = None
+
+
+def train(comm: Communicator, cfg: TrainConfig, console: Optional[Console] = None) -> TrainResult:
+    """Train the MLP on digits across `comm`; every rank must call it with the same config."""
+    check_config(cfg, comm.size)
+    from threadpoolctl import threadpool_limits  # installed with scikit-learn
+    with threadpool_limits(cfg.blas_threads, user_api="blas"):
+        return _train(comm, cfg, console or Console(False))
+
+
+def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResult:
+    data = load_digits(np.dtype(cfg.dtype))
+    console.line(header_line(cfg, comm.size, len(data.y_train), len(data.y_test),
+                             layer_sizes(data.features, cfg.hidden, data.classes)))
+    params = init_params(layer_sizes(data.features, cfg.hidden, data.classes), cfg.seed + comm.rank,
+                         np.dtype(cfg.dtype))
+    for p in params:  # every rank drew its own start; rank 0's wins, as in DDP's constructor
+        comm.broadcast(p, root=0)
+    baseline = _baseline(comm, cfg, data, params)
+    straggle = cfg.straggler[1] / 1000 if cfg.straggler and cfg.straggler[0] == comm.rank else 0.0
+    replica = Replica(params, cfg.optimizer, cfg.lr, int(cfg.bucket_kb * 1024), comm, straggle)
+
+    per_epoch = steps_per_epoch(len(data.y_train), cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    local_batch = cfg.batch_size // comm.size
+    rows = np.empty((total, replica.record_width))
+    losses, correct = np.zeros(total), np.zeros(total)
+    result_epochs: List[Tuple[Window, Metrics]] = []
+    comm.barrier()
+    t_zero = time.perf_counter()  # the common origin of every rank's timeline (to a barrier's skew)
+    step = 0
+    for epoch in range(cfg.epochs):
+        first = step
+        for batch in global_batches(len(data.y_train), cfg.batch_size, epoch, cfg.seed):
+            mine = shard(batch, comm.rank, comm.size)
+            losses[step], correct[step], rows[step] = replica.step(data.x_train[mine], data.y_train[mine])
+            step += 1
+            if cfg.log_every and step % cfg.log_every == 0:
+                lo = step - cfg.log_every
+                window = _window(comm, losses[lo:step], correct[lo:step], local_batch, rows[lo:step])
+                console.line(step_line(epoch, cfg.epochs, step, total, window))
+            console.progress(step, total)
+        window = _window(comm, losses[first:step], correct[first:step], local_batch, rows[first:step])
+        test = evaluate(comm, params, data.x_test, data.y_test)
+        result_epochs.append((window, test))
+        console.line(epoch_line(epoch, cfg.epochs, window, test))
+    console.done()
+
+    result = TrainResult(params=params, train=evaluate(comm, params, data.x_train, data.y_train),
+                         test=evaluate(comm, params, data.x_test, data.y_test), plan=replica.buckets.plan,
+                         replicas_identical=_replicas_identical(comm, params), epochs=result_epochs)
+    gathered = comm.gather(rows - t_zero, root=0)
+    if comm.rank == 0:
+        result.records = gathered
+        result.samples_per_s = throughput(gathered, cfg.batch_size)
+        result.baseline_sps = result.samples_per_s if comm.size == 1 else baseline
+    return result
+
+
+def evaluate(comm: Communicator, params: Params, x: np.ndarray, y: np.ndarray) -> Metrics:
+    """Mean loss and accuracy over (x, y), each rank scoring its part and the sums allreduced."""
+    part = eval_shard(len(y), comm.rank, comm.size)
+    loss, right = loss_and_correct(forward(params, x[part])[0], y[part])
+    sums = comm.allreduce(np.array([loss, right, len(y[part])], np.float64))
+    return Metrics(loss=sums[0] / sums[2], accuracy=sums[1] / sums[2])
+
+
+def _window(comm: Communicator, losses: np.ndarray, correct: np.ndarray, local_batch: int,
+            rows: np.ndarray) -> Window:
+    """Loss and accuracy over these steps of all ranks, with the time split averaged over ranks."""
+    b = breakdown(rows)
+    sums = comm.allreduce(np.array([losses.sum(), correct.sum(), len(losses) * local_batch, b.step.sum(),
+                                    b.compute.sum(), b.wait.sum(), b.comm.sum(), b.comm_total.sum()]))
+    per_step_ms = 1000 * sums[3:] / (len(losses) * comm.size)
+    return Window(sums[0] / sums[2], sums[1] / sums[2], *per_step_ms)
+
+
+def _baseline(comm: Communicator, cfg: TrainConfig, data: Digits, params: Params) -> Optional[float]:
+    """1-rank samples/s: passed in, or timed on rank 0 alone (a copy of the model, the whole global
+    batch per step, no communication) while the other ranks wait in a barrier."""
+    if cfg.baseline_sps is not None or comm.size == 1:
+        return cfg.baseline_sps
+    sps = None
+    if comm.rank == 0:
+        alone = Replica([p.copy() for p in params], cfg.optimizer, cfg.lr, int(cfg.bucket_kb * 1024), None)
+        epochs = (global_batches(len(data.y_train), cfg.batch_size, e, cfg.seed) for e in itertools.count())
+        batches = itertools.islice(itertools.chain.from_iterable(epochs), BASELINE_STEPS + 1)
+        warm_up = next(batches)
+        alone.step(data.x_train[warm_up], data.y_train[warm_up])
+        start = time.perf_counter()
+        for batch in batches:
+            alone.step(data.x_train[batch], data.y_train[batch])
+        sps = BASELINE_STEPS * cfg.batch_size / (time.perf_counter() - start)
+    comm.barrier()
+    return sps
+
+
+def _replicas_identical(comm: Communicator, params: Params) -> bool:
+    """Whether every rank holds bit-for-bit the same parameters (compared by digest)."""
+    digest = hashlib.blake2b(b"".join(p.tobytes() for p in params), digest_size=16).digest()
+    every = comm.allgather(np.frombuffer(digest, np.uint8))
+    return bool((every == every[0]).all())

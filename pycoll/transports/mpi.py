@@ -1,0 +1,324 @@
+"""MPI transport on mpi4py: pycoll's own algorithms over MPI nonblocking point-to-point (PYCOLL_TRANSPORT=mpi).
+
+pycoll ranks are MPI world ranks; all traffic runs on a private Dup of MPI.COMM_WORLD, as buffers
+(never pickled). Wire, keeping the pycoll header and (peer, comm_id, seq, tag) FIFO matching:
+
+* The key is hashed (blake2b) to an MPI tag in [0, tag_space). A message of at most EAGER_BYTES
+  travels as one MPI message, header + payload (one copy on each side); a larger one as a header
+  message and then the payload with the same MPI tag, posted together under the transport lock so
+  the pair stays in order, and received straight into the posted buffer.
+* A receiver keeps one header Irecv per (peer, MPI tag), and only while a receive for that pair
+  waits, so messages nobody asked for yet stay inside MPI (large ones unsent, MPI's rendezvous).
+  When a header arrives it is checked (size or dtype mismatch: ProtocolError, the payload is
+  drained into scratch, never into the user's buffer), its payload Irecv is posted before the next
+  header Irecv (MPI's non-overtaking rule pairs them), and a header with another key (a hashed-tag
+  collision) is kept with its payload as unexpected, as tcp does.
+
+Progress: whoever waits runs Testsome over every MPI request the transport owns; when nothing moves
+it spins a few passes, then sleeps 20 us doubling to 1 ms, so oversubscribed ranks yield the CPU.
+One lock guards the matching tables and every MPI call made here (all MPI_THREAD_SERIALIZED needs);
+mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see serialized()).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+from ..bootstrap.store import Store
+from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
+from . import wire
+from .base import MsgKey, Request, Transport
+
+log = logging.getLogger("pycoll.mpi")
+
+EAGER_BYTES = 1 << 15       # payloads up to this ride in the header's MPI message (same on every rank)
+_MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # Open MPI, MPICH/Hydra, PMIx
+_KEY = struct.Struct("<QQq")
+_SPIN_PASSES = 8            # idle progress passes before the first sleep
+_MIN_PAUSE, _MAX_PAUSE = 20e-6, 1e-3
+_LINGER = 5.0               # seconds close() waits for sends still in flight
+_HELLO_NONCE = b"pycoll-mpi-transport"
+
+_Match = Tuple[int, int, int, int]   # (peer, comm_id, seq, tag)
+_Slot = Tuple[int, int]              # (peer, MPI tag)
+_Then = Optional[Callable[[Any], None]]  # what to do with an MPI request's Status once it completes
+
+
+def load_mpi() -> Any:
+    """mpi4py's MPI module, or an EnvError saying how to get one (importing it initializes MPI)."""
+    if not any(var in os.environ for var in _MPI_LAUNCHER_VARS):
+        raise EnvError("PYCOLL_TRANSPORT=mpi needs an MPI launcher: start the job with "
+                       "`mpirun -np N python your_script.py` (mpi4py installed), or choose another "
+                       "transport, e.g. PYCOLL_TRANSPORT=tcp")
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise EnvError("PYCOLL_TRANSPORT=mpi needs mpi4py: `pip install pycoll[mpi]` (or mpi4py), or "
+                       "choose another transport, e.g. PYCOLL_TRANSPORT=tcp") from None
+    return MPI
+
+
+class _Arrival:
+    """A message pulled out of MPI for a key nobody was waiting on (it shared an MPI tag with one)."""
+
+    __slots__ = ("header", "data", "ready", "claimed")
+
+    def __init__(self, header: wire.Header, data: Any, ready: bool) -> None:
+        self.header, self.data, self.ready = header, data, ready
+        self.claimed: Optional[Request] = None  # a receive posted while the payload was still coming
+
+
+class MpiTransport(Transport):
+    """Tagged point-to-point over MPI Isend/Irecv on a Dup of MPI.COMM_WORLD (ranks are world ranks)."""
+
+    name = "mpi"
+
+    def __init__(self, rank: int, size: int, address: Optional[str] = None,
+                 hosts: Optional[List[str]] = None) -> None:
+        super().__init__(rank, size)  # address and hosts are unused: MPI picks its own paths
+        self._mpi = MPI = load_mpi()
+        world = MPI.COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (rank, size):
+            raise EnvError(f"PYCOLL_TRANSPORT=mpi: pycoll rank {rank} of {size} is MPI rank {world.Get_rank()} "
+                           f"of {world.Get_size()}; the mpi transport needs them to agree: launch all ranks "
+                           "with one `mpirun -np N` and do not set RANK/WORLD_SIZE by hand")
+        self.tag_space = int(world.Get_attr(MPI.TAG_UB)) + 1  # tests shrink it to force collisions
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            log.warning("rank %d: MPI provides thread level %d (< MPI_THREAD_SERIALIZED); pycoll serializes "
+                        "its MPI calls, but async_op=True makes them from worker threads", rank, level)
+        self._lock = threading.Lock()
+        self._outside: ContextManager[Any] = (contextlib.nullcontext() if level >= MPI.THREAD_MULTIPLE
+                                              else self._lock)
+        self._comm: Any = None     # pycoll's p2p traffic
+        self._parent: Any = None   # mpi_native's communicators are carved out of this one
+        self._native: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
+        self._ops: List[Tuple[Any, _Then, bool]] = []  # (MPI request, on completion, is a send)
+        self._posted: Dict[_Match, Deque[Request]] = {}
+        self._unexpected: Dict[_Match, Deque[_Arrival]] = {}
+        self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
+        self._listening: Set[_Slot] = set()   # slots with a header Irecv outstanding
+        self._closed = False
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def connect(self, store: Store, token: bytes, timeout: float) -> None:
+        """Dup the world communicator and check that every rank holds this job's token (no store needed)."""
+        MPI = self._mpi
+        self._comm = MPI.COMM_WORLD.Dup()
+        self._parent = MPI.COMM_WORLD.Dup()
+        mine = wire.hello_mac(token, self.rank, self.rank, _HELLO_NONCE)
+        macs = bytearray(len(mine) * self.size)
+        finished: List[bool] = []
+        with self._lock:
+            req = self._comm.Iallgather([mine, MPI.BYTE], [macs, MPI.BYTE])
+            self._ops.append((req, lambda status: finished.append(True), False))
+        if not self._poll(lambda: bool(finished), timeout):
+            raise TimeoutError(f"rank {self.rank}: not every MPI rank reached the mpi transport's set-up "
+                               f"within {timeout:g} s")
+        strangers = [p for p in range(self.size) if macs[p * len(mine):(p + 1) * len(mine)]
+                     != wire.hello_mac(token, p, p, _HELLO_NONCE)]
+        if strangers:
+            raise PeerError(f"rank {self.rank}: MPI ranks {strangers} hold another job token; are they "
+                            "part of another pycoll job?", strangers[0])
+
+    # -- data path -------------------------------------------------------------------------------
+    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        req = Request(peer, key, view, dtype, is_recv=False)
+        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+        tag, BYTE = self._mpi_tag(key), self._mpi.BYTE
+        with self._lock:
+            if req.nbytes <= EAGER_BYTES:
+                self._ops.append((self._comm.Isend([b"".join((header, view)), BYTE], peer, tag), None, True))
+                req.done = True  # the payload was copied into the message
+            else:
+                self._ops.append((self._comm.Isend([header, BYTE], peer, tag), None, True))
+                self._ops.append((self._comm.Isend([view, BYTE], peer, tag), lambda st: self._finish(req), True))
+        return req
+
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        req = Request(peer, key, view, dtype, is_recv=True)
+        match = (peer, key.comm_id, key.seq, key.tag)
+        with self._lock:
+            arrivals = self._unexpected.get(match)
+            if not arrivals:
+                self._posted.setdefault(match, deque()).append(req)
+                slot = (peer, self._mpi_tag(key))
+                self._waiting[slot] = self._waiting.get(slot, 0) + 1
+                if slot not in self._listening:
+                    self._listen(slot)
+                return req
+            arrival = arrivals.popleft()
+            if not arrivals:
+                del self._unexpected[match]
+            if arrival.ready:
+                self._deliver(req, arrival.header, arrival.data)
+            else:
+                arrival.claimed = req
+        return req
+
+    def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
+        return self._poll(lambda: all(r.done for r in reqs), timeout)
+
+    def _poll(self, finished: Callable[[], bool], timeout: float) -> bool:
+        """Drive MPI until `finished()` (True) or `timeout` s pass (False); sleeps when nothing moves."""
+        deadline = time.monotonic() + timeout
+        idle = 0
+        while True:
+            with self._lock:
+                moved = self._progress()
+            if finished():
+                return True
+            if moved:
+                idle = 0
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            idle += 1
+            if idle > _SPIN_PASSES:
+                time.sleep(min(left, _MAX_PAUSE, _MIN_PAUSE * 2 ** min(idle - _SPIN_PASSES, 6)))
+
+    # -- matching (all with the lock held) -------------------------------------------------------
+    def _mpi_tag(self, key: MsgKey) -> int:
+        digest = hashlib.blake2b(_KEY.pack(*key), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % self.tag_space
+
+    def _progress(self) -> bool:
+        """Run the completion step of every MPI request that finished; True if any did."""
+        ops = self._ops
+        if not ops:
+            return False
+        statuses: List[Any] = []
+        done = self._mpi.Request.Testsome([op[0] for op in ops], statuses)
+        if not done:
+            return False
+        finished = set(done)
+        self._ops = [op for i, op in enumerate(ops) if i not in finished]
+        for i in done:
+            then = ops[i][1]
+            if then is not None:
+                then(statuses[i])
+        return True
+
+    def _listen(self, slot: _Slot) -> None:
+        """Post the Irecv for the next header (or eager message) from slot's peer on slot's MPI tag."""
+        buf = bytearray(wire.HEADER.size + EAGER_BYTES)
+        req = self._comm.Irecv([buf, self._mpi.BYTE], slot[0], slot[1])
+        self._listening.add(slot)
+        self._ops.append((req, lambda status: self._on_header(slot, buf, status), False))
+
+    def _on_header(self, slot: _Slot, buf: bytearray, status: Any) -> None:
+        self._listening.discard(slot)
+        peer, tag = slot
+        header = self._parse(peer, buf, status.Get_count(self._mpi.BYTE))
+        match = (peer, header.comm_id, header.seq, header.tag)
+        eager = header.nbytes <= EAGER_BYTES
+        data = memoryview(buf)[wire.HEADER.size:wire.HEADER.size + header.nbytes] if eager else None
+        queue = self._posted.get(match)
+        if queue:
+            req = queue.popleft()
+            if not queue:
+                del self._posted[match]
+            self._waiting[slot] -= 1
+            if eager:
+                self._deliver(req, header, data)
+            else:
+                req.check_incoming(self.rank, header.nbytes, header.dtype)
+                if req.error is None:
+                    self._receive(req.view, peer, tag, lambda st: self._finish(req))
+                else:  # drain the payload so the next header lines up; the user's buffer stays untouched
+                    self._receive(bytearray(header.nbytes), peer, tag, None)
+                    req.done = True
+        else:
+            arrival = _Arrival(header, data, eager)
+            self._unexpected.setdefault(match, deque()).append(arrival)
+            if not eager:
+                arrival.data = bytearray(header.nbytes)
+                self._receive(arrival.data, peer, tag, lambda st: self._arrived(arrival))
+        if self._waiting.get(slot):
+            self._listen(slot)
+        else:
+            self._waiting.pop(slot, None)
+
+    def _parse(self, peer: int, buf: bytearray, count: int) -> wire.Header:
+        try:
+            header = wire.unpack_header(bytes(buf[:wire.HEADER.size]))
+        except ValueError as e:
+            raise ProtocolError(f"rank {self.rank}: rank {peer} sent a message on pycoll's MPI communicator "
+                                f"that is not a pycoll header ({e})", peer) from None
+        expected = wire.HEADER.size + (header.nbytes if header.nbytes <= EAGER_BYTES else 0)
+        if count != expected:
+            raise ProtocolError(f"rank {self.rank}: rank {peer} sent {count} bytes for a header announcing "
+                                f"{header.nbytes} payload bytes (expected {expected}); do both run the same "
+                                "pycoll version?", peer)
+        return header
+
+    def _receive(self, target: Any, peer: int, tag: int, then: _Then) -> None:
+        self._ops.append((self._comm.Irecv([target, self._mpi.BYTE], peer, tag), then, False))
+
+    def _arrived(self, arrival: _Arrival) -> None:
+        arrival.ready = True
+        if arrival.claimed is not None:
+            self._deliver(arrival.claimed, arrival.header, arrival.data)
+
+    def _deliver(self, req: Request, header: wire.Header, data: Any) -> None:
+        """Copy a message already in hand into a receive, if it fits (else the receive gets a ProtocolError)."""
+        req.check_incoming(self.rank, header.nbytes, header.dtype)
+        if req.error is None:
+            req.view[:] = data
+        req.done = True
+
+    @staticmethod
+    def _finish(req: Request) -> None:
+        req.done = True
+
+    # -- for mpi_native --------------------------------------------------------------------------
+    def serialized(self) -> ContextManager[Any]:
+        """The context any other MPI call of this process must run in: this transport's lock, unless
+        MPI provides MPI_THREAD_MULTIPLE (then none)."""
+        return self._outside
+
+    def mpi_comm_for(self, group: Sequence[int], comm_id: int) -> Any:
+        """The MPI communicator whose rank i is world rank group[i], one per pycoll communicator.
+
+        Made on first use with Create_group, which only the group's ranks call: they all reach it at
+        the same collective call of that communicator, so the collective creation is safe.
+        """
+        key = (comm_id, tuple(group))
+        comm = self._native.get(key)
+        if comm is None:
+            ranks = self._parent.Get_group().Incl(list(group))
+            with self._outside:
+                comm = self._parent.Create_group(ranks, tag=comm_id % self.tag_space)
+            ranks.Free()
+            comm = self._native.setdefault(key, comm)
+        return comm
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let sends in flight finish (bounded), cancel receives nobody got, free the communicators."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._mpi.Is_finalized():
+            return
+        self._poll(lambda: not any(is_send for _, _, is_send in self._ops), _LINGER)
+        with self._lock:
+            for req, _, is_send in self._ops:
+                if not is_send:
+                    req.Cancel()
+            self._ops = [(req, None, is_send) for req, _, is_send in self._ops]
+        if not self._poll(lambda: not self._ops, _LINGER):
+            log.warning("rank %d: mpi transport closed with %d MPI requests unfinished", self.rank,
+                        len(self._ops))
+        for comm in (*self._native.values(), self._parent, self._comm):
+            if comm is not None:
+                comm.Free()
+        self._native.clear()
