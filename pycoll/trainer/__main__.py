@@ -18,7 +18,8 @@ from .report import Console, summary_lines
 from .timeline import draw_timeline
 
 
-def _straggler(text: str) -> Tuple[int, float]:
+def parse_straggler(text: str) -> Tuple[int, float]:
+    """--straggler RANK:MS as (rank, milliseconds)."""
     rank, sep, ms = text.partition(":")
     try:
         if sep:
@@ -28,7 +29,8 @@ def _straggler(text: str) -> Tuple[int, float]:
     raise argparse.ArgumentTypeError(f"expected RANK:MS (e.g. 1:50), got {text!r}")
 
 
-def _hidden(text: str) -> Tuple[int, ...]:
+def parse_hidden(text: str) -> Tuple[int, ...]:
+    """--hidden 128,64 as a tuple of positive layer widths."""
     try:
         widths = tuple(int(w) for w in text.split(","))
     except ValueError:
@@ -43,21 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m pycoll.trainer", description=__doc__.split("\n")[0],
                                 epilog="How times are measured: see pycoll/trainer/README.md.")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help=f"passes over the training set (default {d.epochs})")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help=f"global batch, split evenly across ranks (default {d.batch_size})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="sgd (momentum 0.9) or adam")
-    p.add_argument("--hidden", type=_hidden, default=d.hidden, metavar="W[,W...]",
+    p.add_argument("--hidden", type=parse_hidden, default=d.hidden, metavar="W[,W...]",
                    help=f"hidden layer widths (default {','.join(map(str, d.hidden))})")
     p.add_argument("--bucket-kb", type=float, default=d.bucket_kb,
                    help=f"gradient bucket size in KiB (default {d.bucket_kb:g}; 0: one bucket per parameter)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype)
-    p.add_argument("--seed", type=int, default=d.seed, help="initialisation and shuffling seed")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype,
+                   help=f"parameter and gradient type (default {d.dtype})")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"initialisation and shuffling seed (default {d.seed})")
     p.add_argument("--log-every", type=int, default=d.log_every, metavar="K",
                    help=f"print loss and time split every K steps (default {d.log_every}; 0: per epoch only)")
-    p.add_argument("--straggler", type=_straggler, metavar="RANK:MS",
+    p.add_argument("--straggler", type=parse_straggler, metavar="RANK:MS",
                    help="make RANK sleep MS milliseconds in compute every step")
     p.add_argument("--baseline-sps", type=float, metavar="S",
                    help="1-rank throughput (samples/s) for the scaling efficiency; default: measured in this run")

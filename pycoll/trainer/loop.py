@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -60,7 +60,6 @@ class TrainResult:
     test: Metrics
     plan: List[List[int]]
     replicas_identical: bool
-    epochs: List[Tuple[Window, Metrics]] = field(default_factory=list)
     records: Optional[np.ndarray] = None  # (ranks, steps, columns), seconds since the common start
     samples_per_s: Optional[float] = None
     baseline_sps: Optional[float] = None
@@ -75,23 +74,24 @@ def train(comm: Communicator, cfg: TrainConfig, console: Optional[Console] = Non
 
 
 def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResult:
+    """train(), inside the BLAS thread limit."""
     data = load_digits(np.dtype(cfg.dtype))
-    console.line(header_line(cfg, comm.size, len(data.y_train), len(data.y_test),
-                             layer_sizes(data.features, cfg.hidden, data.classes)))
-    params = init_params(layer_sizes(data.features, cfg.hidden, data.classes), cfg.seed + comm.rank,
-                         np.dtype(cfg.dtype))
+    per_epoch = steps_per_epoch(len(data.y_train), cfg.batch_size)
+    if per_epoch == 0:
+        raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(data.y_train)} training samples")
+    sizes = layer_sizes(data.features, cfg.hidden, data.classes)
+    console.line(header_line(cfg, comm.size, len(data.y_train), len(data.y_test), sizes))
+    params = init_params(sizes, cfg.seed + comm.rank, np.dtype(cfg.dtype))
     for p in params:  # every rank drew its own start; rank 0's wins, as in DDP's constructor
         comm.broadcast(p, root=0)
     baseline = _baseline(comm, cfg, data, params)
     straggle = cfg.straggler[1] / 1000 if cfg.straggler and cfg.straggler[0] == comm.rank else 0.0
     replica = Replica(params, cfg.optimizer, cfg.lr, int(cfg.bucket_kb * 1024), comm, straggle)
 
-    per_epoch = steps_per_epoch(len(data.y_train), cfg.batch_size)
     total = per_epoch * cfg.epochs
     local_batch = cfg.batch_size // comm.size
     rows = np.empty((total, replica.record_width))
     losses, correct = np.zeros(total), np.zeros(total)
-    result_epochs: List[Tuple[Window, Metrics]] = []
     comm.barrier()
     t_zero = time.perf_counter()  # the common origin of every rank's timeline (to a barrier's skew)
     step = 0
@@ -108,18 +108,16 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResul
             console.progress(step, total)
         window = _window(comm, losses[first:step], correct[first:step], local_batch, rows[first:step])
         test = evaluate(comm, params, data.x_test, data.y_test)
-        result_epochs.append((window, test))
         console.line(epoch_line(epoch, cfg.epochs, window, test))
     console.done()
 
-    result = TrainResult(params=params, train=evaluate(comm, params, data.x_train, data.y_train),
-                         test=evaluate(comm, params, data.x_test, data.y_test), plan=replica.buckets.plan,
-                         replicas_identical=_replicas_identical(comm, params), epochs=result_epochs)
+    result = TrainResult(params=params, train=evaluate(comm, params, data.x_train, data.y_train), test=test,
+                         plan=replica.buckets.plan, replicas_identical=_replicas_identical(comm, params))
     gathered = comm.gather(rows - t_zero, root=0)
     if comm.rank == 0:
         result.records = gathered
         result.samples_per_s = throughput(gathered, cfg.batch_size)
-        result.baseline_sps = result.samples_per_s if comm.size == 1 else baseline
+        result.baseline_sps = result.samples_per_s if baseline is None else baseline
     return result
 
 
@@ -142,8 +140,9 @@ def _window(comm: Communicator, losses: np.ndarray, correct: np.ndarray, local_b
 
 
 def _baseline(comm: Communicator, cfg: TrainConfig, data: Digits, params: Params) -> Optional[float]:
-    """1-rank samples/s: passed in, or timed on rank 0 alone (a copy of the model, the whole global
-    batch per step, no communication) while the other ranks wait in a barrier."""
+    """1-rank samples/s: passed in, None with one rank (the run is its own baseline), or timed on
+    rank 0 alone (a copy of the model, the whole global batch per step, no communication) while the
+    other ranks wait in a barrier."""
     if cfg.baseline_sps is not None or comm.size == 1:
         return cfg.baseline_sps
     sps = None

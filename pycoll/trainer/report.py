@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List
 
 from .timing import breakdown, scaling_efficiency
 
@@ -63,7 +63,7 @@ def epoch_line(epoch: int, epochs: int, w: Window, test: Metrics) -> str:
 
 def summary_lines(result: "TrainResult", cfg: "TrainConfig") -> List[str]:
     """Final metrics, each rank's mean time split per step, throughput and scaling efficiency (rank 0)."""
-    assert result.records is not None and result.samples_per_s is not None
+    assert result.records is not None and result.samples_per_s is not None and result.baseline_sps is not None
     ranks = len(result.records)
     lines = [f"final: train loss {result.train.loss:.4f} acc {result.train.accuracy:.1%} | "
              f"test loss {result.test.loss:.4f} acc {result.test.accuracy:.1%}",
@@ -82,12 +82,13 @@ def summary_lines(result: "TrainResult", cfg: "TrainConfig") -> List[str]:
     return lines
 
 
-def _scaling_line(sps: float, ranks: int, baseline: Optional[float], cfg: "TrainConfig") -> str:
-    if ranks == 1:
-        return "scaling efficiency: 100% by definition (this 1-rank run is the baseline)"
-    source = ("passed in with --baseline-sps" if cfg.baseline_sps is not None
-              else "measured on rank 0 alone in this run, no communication")
-    assert baseline is not None
+def _scaling_line(sps: float, ranks: int, baseline: float, cfg: "TrainConfig") -> str:
+    if cfg.baseline_sps is not None:
+        source = "passed in with --baseline-sps"
+    elif ranks == 1:
+        source = "this run itself"
+    else:
+        source = "measured on rank 0 alone in this run, no communication"
     return (f"scaling efficiency {scaling_efficiency(sps, ranks, baseline):.1%} = {sps:.0f} / "
             f"({ranks} x {baseline:.0f} samples/s 1-rank baseline, {source})")
 
