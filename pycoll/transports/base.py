@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from ..bootstrap.store import Store
-from ..errors import ProtocolError, TimeoutError
+from ..errors import PeerError, ProtocolError, TimeoutError
 
 
 class MsgKey(NamedTuple):
@@ -93,7 +93,7 @@ class Transport(ABC):
         """Block until every request is done; raise its error, or TimeoutError naming the peers."""
         if not self.wait_for(reqs, timeout):
             raise self._timeout_error(reqs, timeout, what)
-        self._raise_errors(reqs)
+        self._raise_errors(reqs, what)
 
     @abstractmethod
     def close(self) -> None:
@@ -107,8 +107,10 @@ class Transport(ABC):
             peers=[r.peer for r in pending])
 
     @staticmethod
-    def _raise_errors(reqs: Sequence[Request]) -> None:
+    def _raise_errors(reqs: Sequence[Request], what: str) -> None:
         for r in reqs:
+            if isinstance(r.error, PeerError):  # say which call was hit, keep the error type
+                raise type(r.error)(f"{what}: {r.error}", r.error.peer) from r.error
             if r.error is not None:
                 raise r.error
 

@@ -29,6 +29,8 @@ COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
 IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
 SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
+_SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
+_GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
@@ -70,6 +72,11 @@ class TcpTransport(Transport):
         self._token = b""
         self._closed = False
         self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
+        self._peer_monitors: Dict[zmq.Socket, int] = {}  # a DEALER's monitor -> the peer it reaches
+        self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
+        self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
+        self._said_bye: set = set()                       # peers that closed normally
+        self.failure: Optional[PeerError] = None          # set once a peer died: the job is broken
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -83,6 +90,10 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
             if SOCKET_BUFFER:
                 sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+            if peer != self.rank:  # a dropped connection means the peer died or closed: fail fast
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._peer_monitors[monitor] = peer
+                self._poller.register(monitor, zmq.POLLIN)
             sock.connect(endpoint)
             nonce = secrets.token_bytes(16)
             hello = wire.make_hello(token, self.rank, peer, nonce)
@@ -99,6 +110,7 @@ class TcpTransport(Transport):
 
     # -- data path -----------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        self._check_alive(peer, "send to")
         req = Request(peer, key, view, dtype, is_recv=False)
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
@@ -122,6 +134,7 @@ class TcpTransport(Transport):
                 if not queue:
                     del self._unexpected[match]
             else:
+                self._check_alive(peer, "receive from")  # what it sent before dying still counts
                 self._posted.setdefault(match, deque()).append(req)
                 return req
         req.check_incoming(self.rank, header.nbytes, header.dtype)
@@ -144,9 +157,10 @@ class TcpTransport(Transport):
                 self._progress(pending, step)
             else:
                 try:
-                    pending[0].handle.wait(step)
+                    pending[0].handle.wait(min(step, _SEND_SLICE))
                 except zmq.NotDone:
-                    pass
+                    self._progress(pending, 0.0)  # notice a peer that died with our data unsent
+                    self._fail_sends_to_dead(pending)
 
     @staticmethod
     def _send_finished(req: Request) -> bool:
@@ -172,8 +186,15 @@ class TcpTransport(Transport):
         events = dict(self._poller.poll(math.ceil(step * 1000)))
         if self._monitor in events:
             self._log_monitor_events()
-        if self._router not in events:
-            return
+        if self._router in events:
+            self._read_router()
+        for monitor in self._peer_monitors:
+            if monitor in events:
+                self._peer_lost(monitor)
+        if self._lost_at:
+            self._expire_lost()
+
+    def _read_router(self) -> None:
         router = self._router
         while True:
             try:
@@ -196,8 +217,11 @@ class TcpTransport(Transport):
             peer = self._ident_rank.get(ident)
             if peer is None:
                 self._reject(ident, "data from a connection that never authenticated")
-                continue
-            self._deliver(peer, header)
+            elif header.kind == wire.KIND_BYE:
+                self._skip_rest()
+                self._said_bye.add(peer)
+            else:
+                self._deliver(peer, header)
 
     def _deliver(self, peer: int, header: wire.Header) -> None:
         match = (peer, header.comm_id, header.seq, header.tag)
@@ -222,6 +246,60 @@ class TcpTransport(Transport):
             self._check_length(req, self._router.recv_into(req.view))
         self._skip_rest()
         req.done = True
+
+    def _check_alive(self, peer: int, what: str) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if peer in self.dead:
+            raise PeerError(f"rank {self.rank}: cannot {what} rank {peer}: {self.dead[peer]}", peer)
+
+    def _peer_lost(self, monitor: zmq.Socket) -> None:
+        """A peer's connection dropped: keep what it sent, fail every receive still waiting on it."""
+        try:
+            while True:
+                monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        peer = self._peer_monitors[monitor]
+        if peer not in self.dead and not self._closed:
+            self._lost_at.setdefault(peer, time.monotonic())
+
+    def _expire_lost(self) -> None:
+        """Declare dead the peers dropped more than _GRACE s ago; a peer that closes normally
+        drops one connection while its last messages still flush on the other."""
+        now = time.monotonic()
+        for peer, since in list(self._lost_at.items()):
+            if now - since >= _GRACE:
+                del self._lost_at[peer]
+                self._declare_dead(peer)
+
+    def _declare_dead(self, peer: int) -> None:
+        """A peer that said bye only fails what waits on it; one that vanished breaks the whole job
+        (like NCCL's abort): a collective waiting on any rank would otherwise hang on it."""
+        self._read_router()  # messages that arrived before the drop are still good
+        died = peer not in self._said_bye
+        self.dead[peer] = ("its connection dropped without a goodbye: the process died" if died else
+                           "it closed its communicator")
+        log.warning("rank %d: lost the tcp connection to rank %d (%s)", self.rank, peer, self.dead[peer])
+        if died and self.failure is None:
+            self.failure = PeerError(f"rank {self.rank}: rank {peer} died (its tcp connection dropped "
+                                     "without a goodbye); this communicator cannot complete collectives "
+                                     "any more: recreate it", peer)
+        with self._match:
+            for match in [m for m in self._posted if m[0] == peer or died]:
+                for req in self._posted.pop(match):
+                    req.error = self.failure if died else PeerError(
+                        f"rank {self.rank}: rank {peer} {self.dead[peer]} before sending (comm "
+                        f"{match[1]:#x}, call {match[2]}, tag {match[3]})", peer)
+                    req.done = True
+
+    def _fail_sends_to_dead(self, pending: List[Request]) -> None:
+        for req in pending:
+            if (req.peer in self.dead or self.failure is not None) and not req.done:
+                req.error = self.failure or PeerError(
+                    f"rank {self.rank}: send to rank {req.peer} could not finish: {self.dead[req.peer]}",
+                    req.peer)
+                req.done = True
 
     def _check_length(self, req: Request, got: int) -> None:
         if got != req.nbytes and req.error is None:
@@ -266,8 +344,15 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        for sock in self._dealers:
+        for peer, sock in enumerate(self._dealers):  # stop each monitor before closing its socket
+            if sock is not None and peer != self.rank:
+                sock.disable_monitor()
+        for monitor in self._peer_monitors:
+            monitor.close(linger=0)
+        for peer, sock in enumerate(self._dealers):
             if sock is not None:
+                if peer != self.rank and peer not in self.dead:  # after our last data, in order
+                    sock.send_multipart([wire.pack_header(wire.KIND_BYE, 0, 0, 0, 0, 0), b""])
                 sock.close()
         self._router.disable_monitor()
         self._monitor.close(linger=0)
