@@ -74,6 +74,6 @@ def _strangers(comm):
 
 
 def test_strangers_are_rejected_and_the_job_carries_on():
-    for rejected, value in run_ranks(_strangers, 2):
+    for rejected, value in run_ranks(_strangers, 2, env={"PYCOLL_TRANSPORT": "tcp"}):
         assert rejected >= 8
         assert value == 3.0

@@ -5,6 +5,8 @@ import pytest
 from collective_cases import CHECKS, run_matrix
 from multiproc import run_ranks
 
+TCP = {"PYCOLL_TRANSPORT": "tcp"}  # these are the tcp transport's tests; shm has its own
+
 ALL = tuple(CHECKS)
 
 
@@ -19,7 +21,7 @@ def _assert_matrix(results):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
 def test_every_collective_and_algorithm(n):
-    _assert_matrix(run_ranks(run_matrix, n, ALL, n in (3, 4), timeout=560))
+    _assert_matrix(run_ranks(run_matrix, n, ALL, n in (3, 4), timeout=560, env=TCP))
 
 
 @pytest.mark.slow
@@ -27,7 +29,7 @@ def test_every_collective_and_algorithm(n):
 @pytest.mark.parametrize("n", [2, 5, 7, 8])
 def test_every_collective_and_algorithm_large_counts(n):
     _assert_matrix(run_ranks(run_matrix, n, ("allreduce", "reduce_scatter", "allgather", "broadcast"),
-                             True, timeout=860))
+                             True, timeout=860, env=TCP))
 
 
 def _async_mixed(comm):
@@ -53,7 +55,7 @@ def _async_mixed(comm):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 5])
 def test_async_collectives_on_split_and_dup_communicators(n):
-    for r, (a, b, c, g, sub_rank, sub_size, members) in enumerate(run_ranks(_async_mixed, n)):
+    for r, (a, b, c, g, sub_rank, sub_size, members) in enumerate(run_ranks(_async_mixed, n, env=TCP)):
         assert a == sum(range(n))
         assert b == max(m + 1 for m in members)
         assert c == n - 1
@@ -89,7 +91,7 @@ def _bad_calls(comm):
 
 @pytest.mark.timeout(60)
 def test_bad_arguments_raise_before_anything_is_sent():
-    for out in run_ranks(_bad_calls, 2):
+    for out in run_ranks(_bad_calls, 2, env=TCP):
         assert out == {"bitwise on float": "TypeError", "unknown op": "ValueError",
                        "bad root": "ValueError", "read-only": "ValueError", "out dtype": "ValueError",
                        "non-contiguous": "ValueError", "indivisible": "ValueError",
@@ -113,7 +115,7 @@ def _torch_zero_copy(comm):
 def test_torch_cpu_tensors_without_copies():
     pytest.importorskip("torch")
     n = 3
-    for same_ptr, total, avg, gathered in run_ranks(_torch_zero_copy, n):
+    for same_ptr, total, avg, gathered in run_ranks(_torch_zero_copy, n, env=TCP):
         assert same_ptr and total == sum(range(1, n + 1)) and avg == 2.0
         assert gathered == [[i * (r + 1) for i in range(4)] for r in range(n)]
 

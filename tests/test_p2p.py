@@ -4,6 +4,8 @@ import pytest
 
 from multiproc import run_ranks
 
+TCP = {"PYCOLL_TRANSPORT": "tcp"}  # these are the tcp transport's tests; shm has its own
+
 pytestmark = pytest.mark.timeout(120)
 
 DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
@@ -42,7 +44,7 @@ def _every_dtype_and_size(comm):
 
 
 def test_every_dtype_and_size():
-    _, got = run_ranks(_every_dtype_and_size, 2)
+    _, got = run_ranks(_every_dtype_and_size, 2, env=TCP)
     assert len(got) == len(DTYPES) * 4 + 1 and all(got)
 
 
@@ -57,7 +59,7 @@ def _large(comm):
 
 
 def test_64_mib_message():
-    assert run_ranks(_large, 2)[1] is True
+    assert run_ranks(_large, 2, env=TCP)[1] is True
 
 
 def _out_of_order(comm):
@@ -80,7 +82,7 @@ def _out_of_order(comm):
 
 
 def test_tags_match_out_of_order_and_fifo_within_a_tag():
-    assert run_ranks(_out_of_order, 2)[1] == [3, 1, 2, 10, 11, 12]
+    assert run_ranks(_out_of_order, 2, env=TCP)[1] == [3, 1, 2, 10, 11, 12]
 
 
 def _ring_of_sends(comm):
@@ -97,7 +99,7 @@ def _ring_of_sends(comm):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_many_ranks_exchange(n):
-    got = run_ranks(_ring_of_sends, n)
+    got = run_ranks(_ring_of_sends, n, env=TCP)
     assert got == [float((r - 1) % n) for r in range(n)]
 
 
@@ -121,7 +123,7 @@ def _mismatch(comm):
 
 
 def test_size_and_dtype_mismatch_is_an_error_not_garbage():
-    _, (size_msg, dtype_msg) = run_ranks(_mismatch, 2)
+    _, (size_msg, dtype_msg) = run_ranks(_mismatch, 2, env=TCP)
     assert "40 bytes" in size_msg and "expects 80 bytes" in size_msg and "rank 0" in size_msg
     assert "dtype" in dtype_msg
 
@@ -140,6 +142,6 @@ def _bad_args(comm):
 
 
 def test_bad_arguments_fail_before_sending():
-    for errors in run_ranks(_bad_args, 2):
+    for errors in run_ranks(_bad_args, 2, env=TCP):
         assert errors == ["ValueError", "ValueError", "ValueError", "ValueError", "ValueError",
                           "TypeError"]

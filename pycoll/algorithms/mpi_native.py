@@ -16,15 +16,12 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..channel import Channel, byte_view
-from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp, reduce_into
+from ..ops import AVG, ReduceOp, reduce_into
 from .ring import displacements
-
-_MPI_OPS = {SUM: "SUM", AVG: "SUM", PROD: "PROD", MIN: "MIN", MAX: "MAX", BAND: "BAND", BOR: "BOR",
-            BXOR: "BXOR"}
 
 
 def _mpi() -> Any:
-    """mpi4py's MPI module, imported only once a channel is known to run over MPI (importing initializes MPI)."""
+    """mpi4py's MPI module, imported only once a channel runs over MPI (importing it initializes MPI)."""
     from mpi4py import MPI
     return MPI
 
@@ -58,10 +55,10 @@ def _bufv(arr: np.ndarray, counts: Sequence[int], displs: Sequence[int]) -> List
 
 @functools.lru_cache(maxsize=None)
 def _reduction(op: ReduceOp, dtype: np.dtype) -> Tuple[Any, Any]:
-    """(MPI datatype, MPI op) for reducing `dtype` with `op`: predefined if MPI has it, else numpy in an MPI.Op."""
+    """(MPI datatype, MPI op) reducing `dtype` by `op`: MPI's own if it has them, else numpy in an MPI.Op."""
     MPI = _mpi()
     if dtype.kind in "iuc" or (dtype.kind == "f" and dtype.itemsize >= 4):
-        return MPI.Datatype.fromcode(dtype.char), getattr(MPI, _MPI_OPS[op])
+        return MPI.Datatype.fromcode(dtype.char), getattr(MPI, "SUM" if op is AVG else op.name)  # same names
 
     def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         reduce_into(op, np.frombuffer(inoutbuf, dtype), np.frombuffer(inbuf, dtype))
@@ -107,7 +104,8 @@ def _own_part(send: np.ndarray, recv: np.ndarray, start: int) -> Any:
     return _buf(send.copy())
 
 
-def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None) -> None:
+def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray,
+              counts: Optional[Sequence[int]] = None) -> None:
     """MPI_Allgather, or MPI_Allgatherv with per-rank `counts`."""
     edges = displacements([send.size] * ch.size if counts is None else counts)
     mine = _own_part(send, recv, edges[ch.rank])

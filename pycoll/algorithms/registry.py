@@ -14,16 +14,20 @@ from typing import Callable, Dict, FrozenSet, List, Optional
 IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "allreduce": {"ring": "ring:allreduce", "recursive_doubling": "recursive_doubling:allreduce",
                   "halving_doubling": "halving_doubling:allreduce",
-                  "tree": "tree:allreduce_double_tree", "binomial": "tree:allreduce"},
-    "broadcast": {"tree": "tree:broadcast", "ring": "tree:broadcast_chain"},
-    "reduce": {"tree": "tree:reduce"},
-    "allgather": {"ring": "ring:allgather", "recursive_doubling": "recursive_doubling:allgather"},
-    "reduce_scatter": {"ring": "ring:reduce_scatter", "halving_doubling": "halving_doubling:reduce_scatter"},
-    "alltoall": {"pairwise": "pairwise:alltoall"},
-    "alltoallv": {"pairwise": "pairwise:alltoallv"},
-    "gather": {"linear": "linear:gather"},
-    "scatter": {"linear": "linear:scatter"},
-    "barrier": {"dissemination": "barrier:barrier"},
+                  "tree": "tree:allreduce_double_tree", "binomial": "tree:allreduce",
+                  "mpi_native": "mpi_native:allreduce"},
+    "broadcast": {"tree": "tree:broadcast", "ring": "tree:broadcast_chain",
+                  "mpi_native": "mpi_native:broadcast"},
+    "reduce": {"tree": "tree:reduce", "mpi_native": "mpi_native:reduce"},
+    "allgather": {"ring": "ring:allgather", "recursive_doubling": "recursive_doubling:allgather",
+                  "mpi_native": "mpi_native:allgather"},
+    "reduce_scatter": {"ring": "ring:reduce_scatter", "halving_doubling": "halving_doubling:reduce_scatter",
+                       "mpi_native": "mpi_native:reduce_scatter"},
+    "alltoall": {"pairwise": "pairwise:alltoall", "mpi_native": "mpi_native:alltoall"},
+    "alltoallv": {"pairwise": "pairwise:alltoallv", "mpi_native": "mpi_native:alltoallv"},
+    "gather": {"linear": "linear:gather", "mpi_native": "mpi_native:gather"},
+    "scatter": {"linear": "linear:scatter", "mpi_native": "mpi_native:scatter"},
+    "barrier": {"dissemination": "barrier:barrier", "mpi_native": "mpi_native:barrier"},
 }
 ALGORITHM_NAMES = frozenset({"ring", "tree", "halving_doubling", "recursive_doubling", "hierarchical",
                              "pairwise", "linear", "mpi_native", "binomial", "dissemination"})
@@ -57,7 +61,8 @@ def parse_algo(spec: Optional[str]) -> Dict[str, FrozenSet[str]]:
                              f"(known: {sorted(ALGORITHM_NAMES)})")
         for coll in colls:
             impls = set(IMPLEMENTATIONS[coll])
-            chosen = impls - names if invert else impls & names
+            # `^x` means every portable algorithm but x: mpi_native only ever when named
+            chosen = impls - names - {"mpi_native"} if invert else impls & names
             if chosen or explicit:
                 allowed[coll] = frozenset(chosen)
     return allowed

@@ -367,7 +367,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..algorithms.registry import IMPLEMENTATIONS
     comm = pycoll.init(transport=args.transport)
     impls = IMPLEMENTATIONS[args.collective]
-    algos = list(impls) if args.algo == "all" else args.algo.split(",")
+    native_ok = comm.transport.name == "mpi"  # MPI's own collectives need the mpi transport
+    algos = [a for a in impls if a != "mpi_native" or native_ok] if args.algo == "all" else args.algo.split(",")
     for algo in algos:
         if algo != "auto" and algo not in impls:
             print(f"pycoll bench: {args.collective} has no algorithm {algo!r} (choose from {sorted(impls)})",
