@@ -3,6 +3,8 @@
 non-power-of-two n, MPI's fold adds one step each way, of S bytes, between the first 2(n-p') ranks.
 
 Each block's final value is computed once, by the rank that owns it, then copied: bit-identical.
+Allreduce exchanges move in segments of at most ring.SEGMENT_BYTES, all posted at once, and the
+halving steps reduce each segment on arrival (no huge messages, no extra copy).
 """
 from __future__ import annotations
 
@@ -14,7 +16,28 @@ from ..channel import Channel
 from ..ops import ReduceOp, reduce_into
 from . import recursive_doubling
 from .recursive_doubling import FIRST_STEP_TAG, Fold, doubling_steps, exchange, fold_in, fold_out
-from .ring import chunk_edges, displacements
+from . import ring
+from .ring import chunk_bounds, chunk_edges, displacements
+
+
+def _segments(count: int, itemsize: int) -> list:
+    """[start, end) pieces of at most ring.SEGMENT_BYTES; both ends of an exchange compute the same."""
+    return chunk_bounds(count, max(1, -(-count * itemsize // ring.SEGMENT_BYTES)))
+
+
+def _segmented_exchange(ch: Channel, tag: int, peer: int, send: np.ndarray, recv: np.ndarray,
+                        op: Optional[ReduceOp], scratch: Optional[np.ndarray] = None) -> None:
+    """Swap `send` for `recv` with `peer`, segment by segment on tags (tag << 20) + i; with `op`,
+    recv ends as op(incoming, recv), reduced as each segment lands."""
+    reqs = []
+    for i, (a, b) in enumerate(_segments(recv.size, recv.itemsize)):
+        if op is None:
+            reqs.append(ch.irecv(recv[a:b], peer, (tag << 20) + i))
+        else:
+            reqs.append(ch.irecv_reduce(recv[a:b], recv[a:b], peer, (tag << 20) + i, op, scratch[a:b]))
+    reqs += [ch.isend(send[a:b], peer, (tag << 20) + i)
+             for i, (a, b) in enumerate(_segments(send.size, send.itemsize))]
+    ch.wait(*reqs)
 
 
 def halving_steps(me: int, p2: int, edges: Sequence[int]) -> Iterator[Tuple[int, slice, slice]]:
@@ -42,14 +65,11 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
         incoming = np.empty(edges[fold.p2 // 2], buf.dtype)  # the first half is the largest kept part
         steps = list(halving_steps(me, fold.p2, edges))
         for tag, (peer, keep, give) in enumerate(steps, FIRST_STEP_TAG):
-            peer = fold.real(peer)
-            part = incoming[:keep.stop - keep.start]
-            exchange(ch, tag, peer, [buf[give]], peer, [part])
-            reduce_into(op, buf[keep], part)
+            _segmented_exchange(ch, tag, fold.real(peer), buf[give], buf[keep], op,
+                                incoming[:keep.stop - keep.start])
         for tag, (peer, mine, theirs) in enumerate(doubling_steps(me, fold.p2, edges),
                                                    FIRST_STEP_TAG + len(steps)):
-            peer = fold.real(peer)
-            exchange(ch, tag, peer, [buf[mine]], peer, [buf[theirs]])
+            _segmented_exchange(ch, tag, fold.real(peer), buf[mine], buf[theirs], None)
     fold_out(ch, fold, buf, buf)
 
 
