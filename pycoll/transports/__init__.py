@@ -27,12 +27,7 @@ def create_transport(name: str, rank: int, size: int, address: Optional[str] = N
     if name not in REGISTRY:
         raise ValueError(f"PYCOLL_TRANSPORT={name!r} is not a transport; choose one of {list(NAMES)}")
     module, _, cls = REGISTRY[name].partition(":")
-    try:
-        mod = importlib.import_module(f"{__name__}.{module}")
-    except ModuleNotFoundError as e:
-        if name == "auto" and e.name == f"{__name__}.{module}":  # until mux exists, auto is tcp
-            return create_transport("tcp", rank, size, address, hosts)
-        raise
+    mod = importlib.import_module(f"{__name__}.{module}")
     return getattr(mod, cls)(rank, size, address, hosts)
 
 

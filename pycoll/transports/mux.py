@@ -1,0 +1,76 @@
+"""The default transport: shared memory to ranks on this host, tcp to the others, chosen per peer.
+
+A single-host job is pure shm and never opens a socket; a rank alone on its host is pure tcp.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence
+
+from ..bootstrap.store import Store
+from .base import MsgKey, Request, Transport
+from .shm import ShmTransport
+from .tcp import TcpTransport
+
+_SLICE = 1e-3  # seconds given to one sub-transport before the other gets a turn
+
+
+class AutoTransport(Transport):
+    """Routes each peer to shm (same host) or tcp (other hosts); waits on both when a call mixes them."""
+
+    name = "auto"
+    supports_sink = ShmTransport.supports_sink and TcpTransport.supports_sink
+
+    def __init__(self, rank: int, size: int, address: Optional[str] = None,
+                 hosts: Optional[List[str]] = None) -> None:
+        super().__init__(rank, size)
+        hosts = hosts or [""] * size
+        local = sum(h == hosts[rank] for h in hosts)
+        self._tcp = TcpTransport(rank, size, address, hosts) if local < size else None
+        self._shm = ShmTransport(rank, size, address, hosts, local_only=True) \
+            if local > 1 or self._tcp is None else None
+        self._route = [self._shm if self._shm is not None and hosts[r] == hosts[rank] else self._tcp
+                       for r in range(size)]
+        self.name = "auto(" + "+".join(t.name for t in (self._shm, self._tcp) if t is not None) + ")"
+
+    def connect(self, store: Store, token: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in (self._shm, self._tcp):
+            if t is not None:
+                t.connect(store, token, max(0.0, deadline - time.monotonic()))
+
+    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        return self._route[peer].isend(view, peer, key, dtype)
+
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
+              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+        return self._route[peer].irecv(view, peer, key, dtype, sink)
+
+    def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
+        """One owner: delegate. Otherwise alternate short blocking slices between tcp and shm (shm
+        also gets a sweep while only tcp is awaited, so its peers' rings keep draining)."""
+        shm, tcp = self._shm, self._tcp
+        if shm is None or tcp is None:
+            return (shm or tcp).wait_for(reqs, timeout)
+        on_tcp = [r for r in reqs if self._route[r.peer] is tcp]
+        on_shm = [r for r in reqs if self._route[r.peer] is shm]
+        if not on_tcp:
+            return shm.wait_for(on_shm, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            step = min(_SLICE, max(0.0, deadline - time.monotonic()))
+            if tcp.wait_for(on_tcp, step):
+                if not on_shm:
+                    return True
+                return shm.wait_for(on_shm, max(0.0, deadline - time.monotonic()))
+            if not on_shm:
+                shm.progress()
+            elif shm.wait_for(on_shm, step):
+                on_shm = []
+            if time.monotonic() >= deadline:
+                return False
+
+    def close(self) -> None:
+        for t in (self._shm, self._tcp):
+            if t is not None:
+                t.close()

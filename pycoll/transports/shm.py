@@ -1,0 +1,632 @@
+"""Shared-memory transport: ranks on one host pass messages through ring buffers in /dev/shm.
+
+Each rank owns one segment holding a ring per local sender (src -> me). A sender copies a framed
+message [wire header | payload] into the receiver's ring; the receiver copies the payload straight
+into the posted buffer, or hands it in place to the receive's sink (the ring algorithms reduce
+straight out of shared memory), so a message costs at most one copy each way. A message that
+nobody has asked for yet waits in the ring, and is copied out as unexpected only when it is in
+the way or the receiver is about to sleep. Messages larger than the ring stream through it under
+flow control. A waiter sweeps the rings, yielding the CPU between sweeps, and after a bounded
+number of fruitless sweeps sleeps on a unix datagram socket (its doorbell) that peers poke after
+publishing data or freeing space it waits for. Segment names are random per job, travel through
+the authenticated store and carry token HMACs; each segment is unlinked as soon as every peer has
+mapped it, so nothing is left in /dev/shm after close() or kill -9.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import secrets
+import select
+import socket
+import threading
+import time
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+from ..bootstrap.store import Store
+from ..errors import PeerError, ProtocolError, TimeoutError
+from . import wire
+from .base import MsgKey, Request, Transport
+
+SHM_DIR = "/dev/shm"
+RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 16 << 20))  # per ordered pair (rounded down to a
+# power of two, and halved while SHM_DIR lacks room); two ring-algorithm segments of 4 MiB fit in flight
+_MIN_RING = 64 << 10
+_PAGE = 4096          # the segment header, and each ring's control block
+_SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
+_PIECE = 1 << 20      # bytes copied between counter updates, so the other side can start early
+_SPIN = 64            # fruitless sweeps, each followed by a yield of the CPU, before sleeping
+_SLICE = 0.1          # longest sleep before re-checking deadlines and whether peers are alive
+_LINGER = 5.0         # close(): how long queued sends may take to drain
+_HELLO_AT = 256       # byte offset of the token proof in the segment header and in each control block
+# int64 indices. Segment header: its ring size, and "the owner sleeps on its doorbell". Ring control
+# block: the writer's head, the reader's tail and the writer's "sends wait for room", on own lines.
+_RING, _ASLEEP = 0, 16
+_HEAD, _TAIL, _BLOCKED = 0, 8, 16
+_NAME = re.compile(r"pycoll-[0-9a-f]{16}-[0-9]+\Z")
+_FENCE = threading.Lock()
+
+_Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
+_Sink = Callable[[memoryview], None]
+
+
+def _fence() -> None:
+    """Full memory barrier (the lock's atomic read-modify-write): orders a counter store before the
+    doorbell-flag load after it, on both sides, so a sleeper never misses a wake-up."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + _SLOT - 1) & ~(_SLOT - 1)
+
+
+def _layout(off: int, nbytes: int, ring: int) -> Tuple[int, int]:
+    """(skip, body) of a frame whose header slot is at ring offset `off`: the payload (padded to
+    `body`) follows the header, or, when it would wrap around the ring end but fits before the
+    header, skips to the ring start so it lies in one piece (both ends compute the same)."""
+    body = _padded(nbytes)
+    if off + _SLOT + body > ring and body <= off:
+        return ring - off - _SLOT, body
+    return 0, body
+
+
+def _as_bytes(view: memoryview) -> memoryview:
+    """A flat unsigned-byte view, so slicing counts bytes whatever the caller's format."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _ring_bytes(local: int) -> int:
+    """This rank's ring size: RING_BYTES, halved until all local segments fit in half of SHM_DIR's
+    free space (touching pages beyond a full tmpfs would kill the job with SIGBUS)."""
+    st = os.statvfs(SHM_DIR)
+    room = st.f_bavail * st.f_frsize // 2
+    ring = 1 << (max(RING_BYTES, _MIN_RING).bit_length() - 1)
+    while ring > _MIN_RING and local * (_PAGE + local * (_PAGE + ring)) > room:
+        ring //= 2
+    if local * (_PAGE + local * (_PAGE + ring)) > room:
+        raise OSError(f"{SHM_DIR} has {2 * room} bytes free, too little for {local} ranks' shared-memory "
+                      "rings (in a container, raise --shm-size), or set PYCOLL_TRANSPORT=tcp")
+    return ring
+
+
+class _Inbound:
+    """A message read out of a ring: its payload goes to `dest` (None: dropped), then `req` completes."""
+
+    __slots__ = ("nbytes", "dtype", "got", "skip", "left", "dest", "req")
+
+    def __init__(self, nbytes: int, dtype: int, skip: int, body: int) -> None:
+        self.nbytes, self.dtype, self.got, self.skip, self.left = nbytes, dtype, 0, skip, body
+        self.dest: Optional[memoryview] = None
+        self.req: Optional[Request] = None
+
+
+class _Outbound:
+    """A send being written into a ring: its header first, then the payload as space frees."""
+
+    __slots__ = ("req", "header", "sent", "skip", "left")
+
+    def __init__(self, req: Request, header: bytes) -> None:
+        self.req, self.header, self.sent, self.skip, self.left = req, header, 0, 0, 0
+
+
+class _Peer:
+    """This rank's two rings with one local rank: me -> it (in its segment), it -> me (in mine)."""
+
+    __slots__ = ("rank", "bell", "flags", "out_ctrl", "out_data", "out_size", "in_ctrl", "in_data",
+                 "in_size", "wpos", "rpos", "queue", "cur", "held", "expecting", "blocked")
+
+    def __init__(self, rank: int, bell: str, flags: memoryview, out_ctrl: memoryview,
+                 out_data: memoryview, in_ctrl: memoryview, in_data: memoryview) -> None:
+        self.rank, self.bell, self.flags = rank, bell, flags
+        self.out_ctrl, self.out_data, self.out_size = out_ctrl, out_data, out_data.nbytes
+        self.in_ctrl, self.in_data, self.in_size = in_ctrl, in_data, in_data.nbytes
+        self.wpos = self.rpos = 0
+        self.queue: Deque[_Outbound] = deque()
+        self.cur: Optional[_Inbound] = None
+        self.held: Optional[Tuple[_Match, int, int]] = None  # header at the read end, not yet taken
+        self.expecting = 0  # posted receives from this rank not yet matched
+        self.blocked = False  # sends to this rank wait for room (mirrors out_ctrl[_BLOCKED])
+
+
+class ShmTransport(Transport):
+    """Tagged point-to-point between the ranks of one host through shared-memory rings."""
+
+    name = "shm"
+    supports_sink = True
+
+    def __init__(self, rank: int, size: int, address: Optional[str] = None,
+                 hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:
+        """`hosts[r]` is rank r's host id; with local_only (AutoTransport) only same-host ranks are
+        served, otherwise every rank must share this host."""
+        super().__init__(rank, size)
+        hosts = hosts or [""] * size
+        self.local = [r for r in range(size) if hosts[r] == hosts[rank]]
+        if not local_only and len(self.local) < size:
+            away = [r for r in range(size) if hosts[r] != hosts[rank]]
+            raise ValueError(f"rank {rank}: PYCOLL_TRANSPORT=shm needs every rank on one host, but ranks "
+                             f"{away} are on other hosts than rank {rank} (host id {hosts[rank]!r}); "
+                             "use PYCOLL_TRANSPORT=auto or tcp")
+        self.segments: Dict[int, str] = {}  # rank -> segment name (unlinked once connected)
+        self._peers: List[Optional[_Peer]] = [None] * size
+        self._active: List[_Peer] = []
+        self._lock = threading.Lock()       # guards rings, queues and the matching tables
+        self._cond = threading.Condition(self._lock)  # followers wait here while another thread drives
+        self._driving = False
+        self._followers = 0
+        self._posted: Dict[_Match, Deque[Request]] = {}
+        self._unexpected: Dict[_Match, Deque[_Inbound]] = {}
+        self._maps: List[mmap.mmap] = []
+        self._views: List[memoryview] = []  # every view into the maps, released before unmapping
+        self._path: Optional[str] = None    # my segment's file, until unlinked
+        self._bell: Optional[socket.socket] = None
+        self._poll = select.poll()
+        self._closed = False
+
+    # -- connection set-up -------------------------------------------------------------------
+    def connect(self, store: Store, token: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        me, slot = self.rank, {r: i for i, r in enumerate(self.local)}
+        name = f"pycoll-{secrets.token_hex(8)}-{me}"
+        self._path = os.path.join(SHM_DIR, name)
+        mine = self._map(self._path, me, _ring_bytes(len(self.local)))
+        mine[_HELLO_AT:_HELLO_AT + wire.HELLO.size] = wire.make_hello(token, me, me, secrets.token_bytes(16))
+        self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._bell.bind("\0" + name)  # abstract namespace: vanishes with the process
+        self._bell.setblocking(False)
+        self._poll.register(self._bell, select.POLLIN)
+        store.set(f"shm/{me}", name.encode())
+        self._await(store, "shm/{}", deadline, "published a shared-memory segment")
+        for p in self.local:
+            peer_name = store.get(f"shm/{p}", 1.0).decode()
+            if not _NAME.match(peer_name) or not peer_name.endswith(f"-{p}"):
+                raise PeerError(f"rank {me}: rank {p} published a bad segment name {peer_name!r}", p)
+            self.segments[p] = peer_name
+            seg = mine if p == me else self._map(os.path.join(SHM_DIR, peer_name), p)
+            self._verify(token, bytes(seg[_HELLO_AT:_HELLO_AT + wire.HELLO.size]), p, p, "the segment")
+            out_at = self._ring_at(seg, slot[me])  # my ring inside p's segment
+            seg[out_at + _HELLO_AT:out_at + _HELLO_AT + wire.HELLO.size] = \
+                wire.make_hello(token, me, p, secrets.token_bytes(16))
+            in_at, ring, peer_ring = self._ring_at(mine, slot[p]), self._ring_size(mine), self._ring_size(seg)
+            peer = _Peer(p, "\0" + peer_name, self._keep(seg[:_PAGE].cast("q")),
+                         self._keep(seg[out_at:out_at + _PAGE].cast("q")),
+                         self._keep(seg[out_at + _PAGE:out_at + _PAGE + peer_ring]),
+                         self._keep(mine[in_at:in_at + _PAGE].cast("q")),
+                         self._keep(mine[in_at + _PAGE:in_at + _PAGE + ring]))
+            self._peers[p] = peer
+            self._active.append(peer)
+        store.set(f"shm/{me}/attached", b"1")
+        self._await(store, "shm/{}/attached", deadline, "mapped the shared-memory segments")
+        os.unlink(self._path)  # every peer has it mapped: from now on the memory dies with the job
+        self._path = None
+        for p in self.local:
+            at = self._ring_at(mine, slot[p]) + _HELLO_AT
+            self._verify(token, bytes(mine[at:at + wire.HELLO.size]), p, me, "the ring writer")
+
+    def _map(self, path: str, owner: int, ring: int = 0) -> memoryview:
+        """Create (ring > 0: with that ring size) or attach the segment of rank `owner`."""
+        seg_bytes = _PAGE + len(self.local) * (_PAGE + ring)
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if ring else 0), 0o600)
+        except FileNotFoundError:
+            raise PeerError(f"rank {self.rank}: the shared-memory segment {path} of rank {owner} is gone "
+                            "(that rank gave up or died while connecting)", owner) from None
+        try:
+            if ring:
+                os.ftruncate(fd, seg_bytes)
+            else:
+                seg_bytes = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, max(seg_bytes, _PAGE))
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        seg = self._keep(memoryview(mm))
+        if ring:
+            seg[:_PAGE].cast("q")[_RING] = ring
+            return seg
+        ring = self._ring_size(seg)
+        if ring < _MIN_RING or ring & (ring - 1) or seg_bytes != _PAGE + len(self.local) * (_PAGE + ring):
+            raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} ({seg_bytes} bytes, ring "
+                            f"size {ring}) fits no layout for {len(self.local)} ranks (another pycoll?)", owner)
+        return seg
+
+    @staticmethod
+    def _ring_size(seg: memoryview) -> int:
+        return seg[:8].cast("q")[0]
+
+    def _ring_at(self, seg: memoryview, slot: int) -> int:
+        """Byte offset of ring `slot`'s control block in segment `seg`."""
+        return _PAGE + slot * (_PAGE + self._ring_size(seg))
+
+    def _keep(self, view: memoryview) -> memoryview:
+        self._views.append(view)
+        return view
+
+    def _await(self, store: Store, key: str, deadline: float, what: str) -> None:
+        """Wait until every local rank has set `key.format(rank)`; TimeoutError names the others."""
+        keys = [key.format(p) for p in self.local]
+        try:
+            store.wait(keys, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            missing = [p for p, k in zip(self.local, keys) if not store.check([k])]
+            raise TimeoutError(f"rank {self.rank}: shm transport: ranks {missing} never {what}",
+                               peers=missing) from None
+
+    def _verify(self, token: bytes, proof: bytes, src: int, dst: int, what: str) -> None:
+        """Trust `what` of rank `src` only if it carries a hello from `src` to `dst` made with the token."""
+        try:
+            got, _ = wire.check_hello(token, dst, proof)
+            if got != src:
+                raise ValueError(f"hello from rank {got}")
+        except ValueError as e:
+            raise PeerError(f"rank {self.rank}: {what} of rank {src} failed authentication ({e}); "
+                            "not trusting it", src) from None
+
+    # -- posting -------------------------------------------------------------------------------
+    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        p = self._peer(peer)
+        req = Request(peer, key, _as_bytes(view), dtype, is_recv=False)
+        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+        with self._lock:
+            if p.queue or not self._put(p, header, req):
+                p.queue.append(_Outbound(req, header))
+                self._push(p)
+        return req
+
+    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
+              sink: Optional[_Sink] = None) -> Request:
+        p = self._peer(peer)
+        req = Request(peer, key, _as_bytes(view), dtype, is_recv=True, sink=sink)
+        match = (peer, key.comm_id, key.seq, key.tag)
+        with self._lock:
+            queue = self._unexpected.get(match)
+            if queue:
+                inb = queue.popleft()
+                if not queue:
+                    del self._unexpected[match]
+                self._claim(inb, req)
+            else:
+                self._posted.setdefault(match, deque()).append(req)
+                p.expecting += 1
+        return req
+
+    def _peer(self, rank: int) -> _Peer:
+        p = self._peers[rank]
+        if p is None:
+            raise ValueError(f"rank {self.rank}: rank {rank} is not on this host; shm cannot reach it")
+        return p
+
+    # -- waiting -------------------------------------------------------------------------------
+    def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
+        if all(r.done for r in reqs):
+            return True
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not all(r.done for r in reqs):
+                if not self._driving:
+                    self._driving = True
+                    try:
+                        return self._drive(reqs, deadline)
+                    finally:
+                        self._driving = False
+                        if self._followers:
+                            self._cond.notify_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._followers += 1
+                self._cond.wait(min(left, _SLICE))
+                self._followers -= 1
+            return True
+
+    def progress(self) -> None:
+        """One non-blocking sweep (drain incoming rings, push queued sends), unless another thread drives."""
+        with self._lock:
+            if not self._driving and self._sweep(drain=True) and self._followers:
+                self._cond.notify_all()
+
+    def _drive(self, reqs: Sequence[Request], deadline: float) -> bool:
+        """Sweep the rings until `reqs` are done: after _SPIN fruitless sweeps, each followed by a
+        yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
+        idle = 0
+        moved = self._sweep()
+        while True:
+            if moved:
+                if self._followers:
+                    self._cond.notify_all()
+                idle = 0
+            if all(r.done for r in reqs):
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if idle < _SPIN:
+                idle += 1
+                self._lock.release()  # let other threads' isend/irecv, and other processes, run
+                os.sched_yield()
+                self._lock.acquire()
+                moved = self._sweep()
+            else:
+                moved = self._sleep(deadline - now) or self._fail_if_gone(reqs)
+
+    def _sleep(self, timeout: float) -> bool:
+        """Raise my doorbell flag, look once more (draining everything), then block on the doorbell;
+        True if a sweep moved data."""
+        flags = self._peers[self.rank].flags
+        flags[_ASLEEP] = 1
+        _fence()
+        if self._sweep(drain=True):
+            flags[_ASLEEP] = 0
+            return True
+        self._lock.release()
+        try:
+            if self._poll.poll(math.ceil(min(timeout, _SLICE) * 1000)):
+                try:
+                    while True:
+                        self._bell.recv(64)
+                except BlockingIOError:
+                    pass
+        finally:
+            self._lock.acquire()
+        flags[_ASLEEP] = 0
+        return self._sweep()
+
+    def _fail_if_gone(self, reqs: Sequence[Request]) -> bool:
+        """After a quiet slice: fail the pending requests whose peer no longer has a doorbell (it died
+        or closed), instead of letting them wait for the deadline; True if any was failed."""
+        failed = False
+        for peer in {r.peer for r in reqs if not r.done}:
+            try:
+                self._bell.sendto(b"", self._peers[peer].bell)
+            except BlockingIOError:
+                continue
+            except ConnectionRefusedError:
+                for r in reqs:
+                    if r.peer == peer and not r.done:
+                        r.error = PeerError(f"rank {self.rank}: rank {peer} died or closed its shm "
+                                            f"transport while a {r.describe()} was pending", peer)
+                        r.done = failed = True
+        return failed
+
+    def _poke(self, p: _Peer) -> None:
+        try:
+            self._bell.sendto(b"\1", p.bell)
+        except (BlockingIOError, ConnectionRefusedError):
+            pass  # a full doorbell rings anyway; a closed one has nobody left to wake
+
+    def _wake(self, p: _Peer, why: int) -> None:
+        """After publishing a counter: poke `p` if it sleeps on its doorbell (and, for freed space,
+        only if its sends to us are blocked)."""
+        _fence()
+        if p.flags[_ASLEEP] and (why == _HEAD or p.in_ctrl[_BLOCKED]):
+            self._poke(p)
+
+    def _sweep(self, drain: bool = False) -> bool:
+        """Push queued sends and pull published data on every ring once; True if anything moved.
+
+        A message nobody has asked for yet stays in its ring (so it can later be read straight into
+        its receive) unless `drain`, or a receive from that rank waits behind it: a waiter about to
+        sleep drains everything into unexpected buffers, so no sender is ever stuck on a full ring."""
+        moved = False
+        for p in self._active:
+            if p.queue and self._push(p):
+                moved = True
+            if p.in_ctrl[_HEAD] != p.rpos and self._pull(p, drain):
+                moved = True
+        return moved
+
+    # -- writing -------------------------------------------------------------------------------
+    def _put(self, p: _Peer, header: bytes, req: Request) -> bool:
+        """The common case in one go: a whole small frame with room for it; else False."""
+        nbytes, wpos, ring = req.nbytes, p.wpos, p.out_size
+        off = wpos & (ring - 1)
+        skip, body = _layout(off, nbytes, ring)
+        end = wpos + _SLOT + skip + body
+        if body > _PIECE or end - p.out_ctrl[_TAIL] > ring or (off + _SLOT + skip) % ring + body > ring:
+            return False
+        data = p.out_data
+        data[off:off + wire.HEADER.size] = header
+        if nbytes:
+            at = (off + _SLOT + skip) % ring
+            data[at:at + nbytes] = req.view
+        p.out_ctrl[_HEAD] = p.wpos = end
+        self._wake(p, _HEAD)
+        req.done = True
+        return True
+
+    def _push(self, p: _Peer) -> bool:
+        """Write queued sends to `p` while its ring has room; True if anything was written.
+
+        While sends wait for room the ring says so (BLOCKED), so the reader pokes us as it frees space;
+        after raising it we look at the space once more, or a poke sent just before could be missed."""
+        start = p.wpos
+        self._write(p)
+        if p.queue and not p.blocked:
+            p.blocked = True
+            p.out_ctrl[_BLOCKED] = 1
+            _fence()
+            self._write(p)
+        if p.blocked and not p.queue:
+            p.blocked = False
+            p.out_ctrl[_BLOCKED] = 0
+        return p.wpos != start
+
+    def _write(self, p: _Peer) -> None:
+        """Copy queued frames (header slot, skip to the ring start, payload pieces) into free space,
+        publishing each piece; the reader is woken once, at the end (a reader waiting for a whole
+        frame gains nothing from a wake-up per piece)."""
+        queue, data, ctrl, ring = p.queue, p.out_data, p.out_ctrl, p.out_size
+        mask = ring - 1
+        wpos = start = p.wpos
+        free = ring - (wpos - ctrl[_TAIL])
+        while queue:
+            ob = queue[0]
+            if ob.header is not None:
+                if free < _SLOT:
+                    break
+                off = wpos & mask
+                data[off:off + wire.HEADER.size] = ob.header
+                ob.header = None
+                ob.skip, ob.left = _layout(off, ob.req.nbytes, ring)
+                wpos += _SLOT
+                free -= _SLOT
+            if ob.skip:
+                n = min(free, ob.skip)
+                ob.skip -= n
+            else:
+                n = min(free, ob.left, _PIECE, ring - (wpos & mask))
+                k = min(n, ob.req.nbytes - ob.sent)  # payload; the rest of n is padding
+                if k > 0:
+                    off = wpos & mask
+                    data[off:off + k] = ob.req.view[ob.sent:ob.sent + k]
+                    ob.sent += k
+                ob.left -= n
+            wpos += n
+            free -= n
+            if not (ob.skip or ob.left):
+                queue.popleft()
+                ob.req.done = True
+            elif not n:
+                break
+            ctrl[_HEAD] = wpos
+        if wpos != start:
+            ctrl[_HEAD] = wpos  # also when a header went in but no room for the rest yet
+            self._wake(p, _HEAD)
+        p.wpos = wpos
+
+    # -- reading -------------------------------------------------------------------------------
+    def _pull(self, p: _Peer, drain: bool) -> bool:
+        """Read what `p` has published: take each header, copy payloads to their targets, free the
+        space; True if anything was read."""
+        data, ctrl, ring = p.in_data, p.in_ctrl, p.in_size
+        mask = ring - 1
+        head, rpos = ctrl[_HEAD], p.rpos
+        start = rpos
+        while rpos != head:
+            cur = p.cur
+            if cur is None:
+                cur = p.cur = self._arrive(p, rpos, head, drain)
+                if cur is None:
+                    break
+                rpos += _SLOT
+            if cur.skip:
+                n = min(head - rpos, cur.skip)
+                cur.skip -= n
+            else:
+                n = min(head - rpos, cur.left, _PIECE, ring - (rpos & mask))
+                k = min(n, cur.nbytes - cur.got)
+                if k > 0:
+                    if cur.dest is not None:
+                        off = rpos & mask
+                        cur.dest[cur.got:cur.got + k] = data[off:off + k]
+                    cur.got += k
+                cur.left -= n
+            rpos += n
+            if not (cur.skip or cur.left):
+                p.cur = None
+                req = cur.req
+                if req is not None:
+                    if req.sink is not None:
+                        req.deliver(cur.dest)
+                    req.done = True
+            ctrl[_TAIL] = rpos
+            self._wake(p, _TAIL)
+        p.rpos = rpos
+        return rpos != start
+
+    def _arrive(self, p: _Peer, rpos: int, head: int, drain: bool) -> Optional[_Inbound]:
+        """The header at `rpos`, the read end of `p`'s ring: give its message to the oldest matching
+        receive, else buffer it as unexpected, or (None) leave it in the ring for now."""
+        ring = p.in_size
+        off = rpos & (ring - 1)
+        match, nbytes, dtype = p.held or self._header(p, off)
+        queue = self._posted.get(match)
+        if not queue and not (drain or p.expecting):
+            p.held = match, nbytes, dtype
+            return None
+        skip, body = _layout(off, nbytes, ring)
+        at = (off + _SLOT + skip) % ring
+        whole = at + nbytes <= ring  # the payload lies in one piece in the ring
+        if queue and queue[0].sink is not None and whole and head - rpos < _SLOT + skip + nbytes:
+            p.held = match, nbytes, dtype  # for the sink: wait until all of it is there
+            return None
+        p.held = None
+        inb = _Inbound(nbytes, dtype, skip, body)
+        if not queue:
+            inb.dest = memoryview(bytearray(nbytes))
+            self._unexpected.setdefault(match, deque()).append(inb)
+            return inb
+        req = queue.popleft()
+        if not queue:
+            del self._posted[match]
+        p.expecting -= 1
+        req.check_incoming(self.rank, nbytes, dtype)
+        if req.error is not None:  # rejected: the payload is read and dropped
+            req.done = True
+        elif req.sink is None:
+            inb.dest, inb.req = req.view, req
+        elif whole:  # reduce (or whatever the sink does) straight out of shared memory
+            req.deliver(p.in_data[at:at + nbytes])
+            req.done = True
+            inb.got = nbytes
+        else:  # longer than the ring: gather it first
+            inb.dest, inb.req = memoryview(bytearray(nbytes)), req
+        return inb
+
+    def _header(self, p: _Peer, off: int) -> Tuple[_Match, int, int]:
+        """(match key, nbytes, dtype) of the header at `off` in `p`'s ring: wire.unpack_header's checks,
+        unpacked in place; ProtocolError for anything else (the stream cannot be trusted after it)."""
+        magic, version, kind, dtype, comm_id, seq, tag, nbytes = wire.HEADER.unpack_from(p.in_data, off)
+        if magic == wire.MAGIC and version == wire.VERSION and kind == wire.KIND_DATA:
+            return (p.rank, comm_id, seq, tag), nbytes, dtype
+        try:
+            wire.unpack_header(bytes(p.in_data[off:off + wire.HEADER.size]))
+            reason = f"message kind {kind} on a data ring"
+        except ValueError as e:
+            reason = str(e)
+        raise ProtocolError(f"rank {self.rank}: the shm ring from rank {p.rank} holds garbage ({reason}); "
+                            "does that rank run the same pycoll version?", p.rank)
+
+    def _claim(self, inb: _Inbound, req: Request) -> None:
+        """Give unexpected message `inb` to receive `req`: reject it if it does not fit; else hand over
+        what is complete, or copy what arrived so far and stream the rest into `req`'s buffer."""
+        req.check_incoming(self.rank, inb.nbytes, inb.dtype)
+        if req.error is not None:
+            inb.dest = None  # the rest of the message is read and dropped
+            req.done = True
+        elif inb.got == inb.nbytes:
+            req.deliver(inb.dest)
+            req.done = True
+        elif req.sink is not None:
+            inb.req = req  # keeps gathering into its buffer; the sink gets it at the end
+        else:
+            req.view[:inb.got] = inb.dest[:inb.got]
+            inb.dest, inb.req = req.view, req
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            queued = [ob.req for p in self._active for ob in p.queue]
+        if queued:
+            self.wait_for(queued, _LINGER)
+        with self._lock:
+            self._active.clear()
+            self._peers = [None] * self.size
+            for view in reversed(self._views):
+                view.release()
+            for mm in self._maps:
+                try:
+                    mm.close()
+                except BufferError:  # a view into it lives on in a traceback: it unmaps with that
+                    pass
+            if self._bell is not None:
+                self._bell.close()
+            if self._path is not None:  # connect() failed before every peer mapped it
+                os.unlink(self._path)
+                self._path = None
