@@ -8,6 +8,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
+from . import debug
 from .algorithms.registry import Selector, resolve
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
@@ -71,8 +72,11 @@ class Communicator:
 
     # -- running calls ----------------------------------------------------------------------------
     def _run(self, collective: str, body: Callable[[Channel], Any], async_op: bool,
-             timeout: Optional[float]) -> Any:
+             timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
+        """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
         self._check_open(collective)
+        if debug.enabled():
+            body = debug.checked(collective, fingerprint, body)
         with self._seq_lock:
             ch = self.channel(collective, timeout)
             busy = self._inflight > 0
@@ -160,7 +164,7 @@ class Communicator:
             if op is AVG:
                 finish_avg(dst, ch.size)
             return x if out is None else out
-        return self._run("allreduce", body, async_op, timeout)
+        return self._run("allreduce", body, async_op, timeout, (src.dtype, src.size, op, None))
 
     def reduce(self, x: Any, root: int = 0, op: OpLike = ReduceOp.SUM, out: Any = None, *,
                async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
@@ -178,7 +182,7 @@ class Communicator:
             if op is AVG and ch.rank == root:
                 finish_avg(dst, ch.size)
             return out if out is not None and ch.rank == root else x
-        return self._run("reduce", body, async_op, timeout)
+        return self._run("reduce", body, async_op, timeout, (src.dtype, src.size, op, root))
 
     def reduce_scatter(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *,
                        counts: Optional[Sequence[int]] = None, async_op: bool = False,
@@ -211,7 +215,7 @@ class Communicator:
             if op is AVG:
                 finish_avg(dst, ch.size)
             return result
-        return self._run("reduce_scatter", body, async_op, timeout)
+        return self._run("reduce_scatter", body, async_op, timeout, (src.dtype, counts_l, op, None))
 
     # -- data movement ----------------------------------------------------------------------------
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
@@ -224,7 +228,7 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(buf), root)
             return x
-        return self._run("broadcast", body, async_op, timeout)
+        return self._run("broadcast", body, async_op, timeout, (buf.dtype, buf.size, None, root))
 
     def allgather(self, x: Any, out: Any = None, *, async_op: bool = False,
                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
@@ -253,7 +257,8 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src), flat(dst), counts)
             return result
-        return self._run(call, body, async_op, timeout)
+        return self._run(call, body, async_op, timeout,
+                         (src.dtype, src.size if counts is None else counts, None, None))
 
     def alltoall(self, x: Any, out: Any = None, *, async_op: bool = False,
                  timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
@@ -269,7 +274,7 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src), flat(dst))
             return result
-        return self._run("alltoall", body, async_op, timeout)
+        return self._run("alltoall", body, async_op, timeout, (src.dtype, src.size, None, None))
 
     def alltoallv(self, x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], out: Any = None, *,
                   async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
@@ -287,7 +292,7 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src), sc, sd, flat(dst), rc, rd)
             return result
-        return self._run("alltoallv", body, async_op, timeout)
+        return self._run("alltoallv", body, async_op, timeout, (src.dtype, None, None, None))
 
     def gather(self, x: Any, root: int = 0, out: Any = None, *, async_op: bool = False,
                timeout: Optional[float] = None) -> Any:
@@ -303,7 +308,7 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src), None if dst is None else flat(dst), root)
             return result
-        return self._run("gather", body, async_op, timeout)
+        return self._run("gather", body, async_op, timeout, (src.dtype, src.size, None, root))
 
     def scatter(self, x: Any, root: int = 0, out: Any = None, *, async_op: bool = False,
                 timeout: Optional[float] = None) -> Any:
@@ -328,11 +333,12 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src) if ch.rank == root else None, flat(dst), root)
             return out
-        return self._run("scatter", body, async_op, timeout)
+        return self._run("scatter", body, async_op, timeout, (dst.dtype, dst.size, None, root))
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None) -> Any:
         """Return once every rank has called barrier."""
-        return self._run("barrier", self._algorithm("barrier", 0, None), async_op, timeout)
+        return self._run("barrier", self._algorithm("barrier", 0, None), async_op, timeout,
+                         (None, None, None, None))
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:

@@ -330,3 +330,15 @@ def test_a_peer_without_the_job_token_is_not_trusted(tmp_path):
     assert all(isinstance(out[r], PeerError) and out[r].peer == 1 - r for r in range(2)), out
     assert any("failed authentication" in str(out[r]) for r in range(2)), out  # the other may see it gone
     assert not {s for r in range(2) for s in out[r, "names"].values()} & _ours()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_never_connects_is_named_and_nothing_is_left(tmp_path):
+    from pycoll.bootstrap.store import FileStore
+    from pycoll.errors import TimeoutError
+    from pycoll.transports.shm import ShmTransport
+    before, tr = _ours(), ShmTransport(0, 3)
+    with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] never published") as err:
+        tr.connect(FileStore(str(tmp_path)), b"t" * 32, 0.5)
+    tr.close()
+    assert err.value.peers == [1, 2] and not _left_behind(before)

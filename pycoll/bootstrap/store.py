@@ -24,6 +24,8 @@ log = logging.getLogger("pycoll.store")
 
 DEFAULT_TIMEOUT = 300.0
 MAX_FRAME = 64 << 20  # larger length fields are hostile or broken: the connection is dropped
+MAX_HELLO_FRAME = 1024  # a client's first frame, read before its token is checked: strangers get no more
+_WAIT_SLICE = 3600.0  # longest single condition wait: huge or infinite timeouts overflow the lock's limit
 _MAGIC = b"PYCS1"
 _U32 = struct.Struct("!I")
 _I64 = struct.Struct("!q")
@@ -102,9 +104,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
+def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
     (n,) = _U32.unpack(_recv_exact(sock, 4))
-    if n == 0 or n > MAX_FRAME:
+    if n == 0 or n > limit:
         raise ValueError(f"frame length {n} out of range")
     return _recv_exact(sock, n)
 
@@ -158,11 +160,12 @@ class TCPStoreServer:
             log.warning("store: dropped client %s after a malformed request: %s", addr, e)
         finally:
             conn.close()
+            self._conns.remove(conn)
 
     def _handshake(self, conn: socket.socket, addr) -> bool:
         conn.settimeout(30.0)  # a stranger that connects and says nothing must not pin a thread forever
         try:
-            body = _recv_frame(conn)
+            body = _recv_frame(conn, MAX_HELLO_FRAME)
             fields = _decode_fields(body[1:])
             ok = body[0] == OP_HELLO and len(fields) == 2 and fields[0] == _MAGIC
             if ok and self._token is not None:
@@ -182,9 +185,9 @@ class TCPStoreServer:
         with self._cond:
             while not all(k in self._data for k in keys):
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if not left > 0 or self._closed:  # `not >`: a NaN timeout must not spin
                     return False
-                self._cond.wait(left)
+                self._cond.wait(min(left, _WAIT_SLICE))
             return True
 
     def _handle(self, op: int, f: List[bytes]) -> bytes:
@@ -230,7 +233,7 @@ class TCPStoreServer:
         except OSError:
             pass
         self._sock.close()
-        for c in self._conns:
+        for c in list(self._conns):
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -37,7 +37,7 @@ RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 16 << 20))  # per ordered pai
 _MIN_RING = 64 << 10
 _PAGE = 4096          # the segment header, and each ring's control block
 _SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
-_PIECE = 1 << 20      # bytes copied between counter updates, so the other side can start early
+_PIECE = 1 << 20      # bytes copied between counter updates, so a polling peer can start early
 _SPIN = 64            # fruitless sweeps, each followed by a yield of the CPU, before sleeping
 _SLICE = 0.1          # longest sleep before re-checking deadlines and whether peers are alive
 _LINGER = 5.0         # close(): how long queued sends may take to drain
@@ -171,8 +171,7 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         me, slot = self.rank, {r: i for i, r in enumerate(self.local)}
         name = f"pycoll-{secrets.token_hex(8)}-{me}"
-        self._path = os.path.join(SHM_DIR, name)
-        mine = self._map(self._path, me, _ring_bytes(len(self.local)))
+        mine = self._map(os.path.join(SHM_DIR, name), me, _ring_bytes(len(self.local)))
         mine[_HELLO_AT:_HELLO_AT + wire.HELLO.size] = wire.make_hello(token, me, me, secrets.token_bytes(16))
         self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._bell.bind("\0" + name)  # abstract namespace: vanishes with the process
@@ -216,10 +215,13 @@ class ShmTransport(Transport):
                             "(that rank gave up or died while connecting)", owner) from None
         try:
             if ring:
+                self._path = path
                 os.ftruncate(fd, seg_bytes)
             else:
                 seg_bytes = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, max(seg_bytes, _PAGE))
+                if seg_bytes < _PAGE:
+                    raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} is too short", owner)
+            mm = mmap.mmap(fd, seg_bytes)
         finally:
             os.close(fd)
         self._maps.append(mm)
@@ -301,7 +303,10 @@ class ShmTransport(Transport):
 
     # -- waiting -------------------------------------------------------------------------------
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
-        if all(r.done for r in reqs):
+        for r in reqs:  # usually all done already (sends went straight into the ring)
+            if not r.done:
+                break
+        else:
             return True
         deadline = time.monotonic() + timeout
         with self._lock:
