@@ -50,6 +50,7 @@ class TcpTransport(Transport):
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, -1)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a silent stranger is dropped after 5 s
         if SOCKET_BUFFER:
             self._router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
         addr = address or select_address()[1]
