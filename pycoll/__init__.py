@@ -1,5 +1,6 @@
 """pycoll: collective communication (allreduce and friends) for distributed training, in Python."""
 from .comm import Communicator
+from .debug import MismatchError
 from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
 from .work import Work
@@ -9,7 +10,7 @@ from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barri
 __version__ = "0.1.0"
 
 __all__ = [
-    "Communicator", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
+    "Communicator", "MismatchError", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
     "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
     "init", "default_comm", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
     "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv",

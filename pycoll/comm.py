@@ -45,6 +45,7 @@ class Communicator:
         self._worker: Optional[Worker] = None
         self._inflight = 0
         self._closed = False
+        self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -75,7 +76,7 @@ class Communicator:
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
         self._check_open(collective)
-        if debug.enabled():
+        if self._detail:
             body = debug.checked(collective, fingerprint, body)
         with self._seq_lock:
             ch = self.channel(collective, timeout)

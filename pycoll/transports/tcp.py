@@ -139,6 +139,7 @@ class TcpTransport(Transport):
                 self._posted.setdefault(match, deque()).append(req)
                 return req
         req.check_incoming(self.rank, header.nbytes, header.dtype)
+        self._check_length(req, len(frame.buffer))
         if req.error is None:
             req.deliver(frame.buffer)
         req.done = True
@@ -214,6 +215,7 @@ class TcpTransport(Transport):
                 continue
             if header.kind == wire.KIND_HELLO:
                 self._accept_hello(ident, router.recv())
+                self._skip_rest()  # extra frames after a hello are never a message of their own
                 continue
             peer = self._ident_rank.get(ident)
             if peer is None:
@@ -290,7 +292,7 @@ class TcpTransport(Transport):
             for match in [m for m in self._posted if m[0] == peer or died]:
                 for req in self._posted.pop(match):
                     req.error = self.failure if died else PeerError(
-                        f"rank {self.rank}: rank {peer} {self.dead[peer]} before sending (comm "
+                        f"rank {self.rank}: rank {peer} closed its communicator before sending (comm "
                         f"{match[1]:#x}, call {match[2]}, tag {match[3]})", peer)
                     req.done = True
 
