@@ -62,8 +62,11 @@ def _strangers(comm):
         s.send_multipart(frames)
         socks.append(s)
     deadline = time.monotonic() + 40  # a stalled handshake is dropped after 5 s (HANDSHAKE_IVL)
-    while tr.rejected < 8 and time.monotonic() < deadline:
-        comm.barrier()
+    while True:  # all ranks leave the loop in the same iteration, so their calls stay matched
+        done = np.array([tr.rejected >= 8 or time.monotonic() > deadline], np.int32)
+        comm.allreduce(done, op="min")
+        if done[0]:
+            break
         time.sleep(0.05)
     x = np.full(1000, comm.rank + 1, np.float64)
     comm.allreduce(x)

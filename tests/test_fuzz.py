@@ -317,4 +317,4 @@ def test_tcp_transport_survives_fuzzing_while_a_job_runs():
     assert fuzzed["zmq"] + fuzzed["raw"] == TRANSPORT_INPUTS
     assert fuzzed["rejected"] >= fuzzed["zmq"], "a forged message was not turned away"
     assert fuzzed["left_unmatched"] == fuzzed["dead"] == 0  # nothing forged was queued as a peer's message
-    assert fuzzed["worst_s"] < STALL and other["calls"] == fuzzed["calls"] > 100
+    assert fuzzed["worst_s"] < STALL and other["calls"] == fuzzed["calls"] > 10
