@@ -1,16 +1,18 @@
 """Shared-memory transport: ranks on one host pass messages through ring buffers in /dev/shm.
 
-Each rank owns one segment holding a ring per local sender (src -> me). A sender copies a framed
-message [wire header | payload] into the receiver's ring; the receiver copies the payload straight
-into the posted buffer, or hands it in place to the receive's sink (the ring algorithms reduce
-straight out of shared memory), so a message costs at most one copy each way. A message that
-nobody has asked for yet waits in the ring, and is copied out as unexpected only when it is in
-the way or the receiver is about to sleep. Messages larger than the ring stream through it under
-flow control. A waiter sweeps the rings, yielding the CPU between sweeps, and after a bounded
-number of fruitless sweeps sleeps on a unix datagram socket (its doorbell) that peers poke after
-publishing data or freeing space it waits for. Segment names are random per job, travel through
-the authenticated store and carry token HMACs; each segment is unlinked as soon as every peer has
-mapped it, so nothing is left in /dev/shm after close() or kill -9.
+Each rank owns one segment holding a ring per local sender (src -> me), its memory allocated and
+its mappings' page tables filled at connect (a full /dev/shm is an error then, not a SIGBUS later,
+and no page faults while data flows). A sender copies a framed message [wire header | payload]
+into the receiver's ring; the receiver copies the payload straight into the posted buffer, or
+hands it in place to the receive's sink (the ring algorithms reduce straight out of shared
+memory), so a message costs at most one copy each way. A message nobody has asked for yet waits
+in the ring, and is copied out as unexpected only when it is in the way or the receiver is about
+to sleep. Messages larger than the ring stream through it under flow control. A waiter sweeps the
+rings, yielding the CPU between sweeps, and after a bounded number of fruitless sweeps sleeps on a
+unix datagram socket (its doorbell) that peers poke after publishing data or freeing space it
+waits for. Segment names are random per job, travel through the authenticated store and carry
+token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
+/dev/shm after close() or kill -9.
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ from . import wire
 from .base import MsgKey, Request, Transport
 
 SHM_DIR = "/dev/shm"
-RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 16 << 20))  # per ordered pair (rounded down to a
-# power of two, and halved while SHM_DIR lacks room); two ring-algorithm segments of 4 MiB fit in flight
-_MIN_RING = 64 << 10
+RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
+_MIN_RING, _MAX_RING = 64 << 10, 16 << 20
+_BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
 _SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
 _PIECE = 1 << 20      # bytes copied between counter updates, so a polling peer can start early
@@ -47,6 +49,7 @@ _HELLO_AT = 256       # byte offset of the token proof in the segment header and
 _RING, _ASLEEP = 0, 16
 _HEAD, _TAIL, _BLOCKED = 0, 8, 16
 _NAME = re.compile(r"pycoll-[0-9a-f]{16}-[0-9]+\Z")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _FENCE = threading.Lock()
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
@@ -74,22 +77,25 @@ def _layout(off: int, nbytes: int, ring: int) -> Tuple[int, int]:
     return 0, body
 
 
+def _ring_at(ring: int, slot: int) -> int:
+    """Byte offset of ring `slot`'s control block in a segment of rings of `ring` bytes."""
+    return _PAGE + slot * (_PAGE + ring)
+
+
 def _as_bytes(view: memoryview) -> memoryview:
     """A flat unsigned-byte view, so slicing counts bytes whatever the caller's format."""
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _ring_bytes(local: int) -> int:
-    """This rank's ring size: RING_BYTES, halved until all local segments fit in half of SHM_DIR's
-    free space (touching pages beyond a full tmpfs would kill the job with SIGBUS)."""
+    """The ring size of this rank's segment: PYCOLL_SHM_RING, or the largest power of two up to
+    16 MiB (two 4 MiB ring-algorithm segments in flight) keeping all local segments within _BUDGET;
+    then halved while they would take more than half of SHM_DIR's free space."""
+    want = RING_BYTES or min(_MAX_RING, _BUDGET // (local * local))
+    ring = 1 << (max(want, _MIN_RING).bit_length() - 1)
     st = os.statvfs(SHM_DIR)
-    room = st.f_bavail * st.f_frsize // 2
-    ring = 1 << (max(RING_BYTES, _MIN_RING).bit_length() - 1)
-    while ring > _MIN_RING and local * (_PAGE + local * (_PAGE + ring)) > room:
+    while ring > _MIN_RING and local * _ring_at(ring, local) > st.f_bavail * st.f_frsize // 2:
         ring //= 2
-    if local * (_PAGE + local * (_PAGE + ring)) > room:
-        raise OSError(f"{SHM_DIR} has {2 * room} bytes free, too little for {local} ranks' shared-memory "
-                      "rings (in a container, raise --shm-size), or set PYCOLL_TRANSPORT=tcp")
     return ring
 
 
@@ -151,6 +157,7 @@ class ShmTransport(Transport):
                              f"{away} are on other hosts than rank {rank} (host id {hosts[rank]!r}); "
                              "use PYCOLL_TRANSPORT=auto or tcp")
         self.segments: Dict[int, str] = {}  # rank -> segment name (unlinked once connected)
+        self.ring_bytes = 0                 # the size of the rings in my segment, once connected
         self._peers: List[Optional[_Peer]] = [None] * size
         self._active: List[_Peer] = []
         self._lock = threading.Lock()       # guards rings, queues and the matching tables
@@ -171,7 +178,8 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         me, slot = self.rank, {r: i for i, r in enumerate(self.local)}
         name = f"pycoll-{secrets.token_hex(8)}-{me}"
-        mine = self._map(os.path.join(SHM_DIR, name), me, _ring_bytes(len(self.local)))
+        self.ring_bytes = ring = _ring_bytes(len(self.local))
+        mine = self._create(os.path.join(SHM_DIR, name), ring)
         mine[_HELLO_AT:_HELLO_AT + wire.HELLO.size] = wire.make_hello(token, me, me, secrets.token_bytes(16))
         self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._bell.bind("\0" + name)  # abstract namespace: vanishes with the process
@@ -184,17 +192,17 @@ class ShmTransport(Transport):
             if not _NAME.match(peer_name) or not peer_name.endswith(f"-{p}"):
                 raise PeerError(f"rank {me}: rank {p} published a bad segment name {peer_name!r}", p)
             self.segments[p] = peer_name
-            seg = mine if p == me else self._map(os.path.join(SHM_DIR, peer_name), p)
-            self._verify(token, bytes(seg[_HELLO_AT:_HELLO_AT + wire.HELLO.size]), p, p, "the segment")
-            out_at = self._ring_at(seg, slot[me])  # my ring inside p's segment
-            seg[out_at + _HELLO_AT:out_at + _HELLO_AT + wire.HELLO.size] = \
-                wire.make_hello(token, me, p, secrets.token_bytes(16))
-            in_at, ring, peer_ring = self._ring_at(mine, slot[p]), self._ring_size(mine), self._ring_size(seg)
-            peer = _Peer(p, "\0" + peer_name, self._keep(seg[:_PAGE].cast("q")),
-                         self._keep(seg[out_at:out_at + _PAGE].cast("q")),
-                         self._keep(seg[out_at + _PAGE:out_at + _PAGE + peer_ring]),
-                         self._keep(mine[in_at:in_at + _PAGE].cast("q")),
-                         self._keep(mine[in_at + _PAGE:in_at + _PAGE + ring]))
+            if p == me:
+                head = self._keep(mine[:_PAGE])
+                out = self._keep(mine[_ring_at(ring, slot[me]):_ring_at(ring, slot[me] + 1)])
+            else:
+                head, out = self._attach(os.path.join(SHM_DIR, peer_name), p, slot[me])
+            self._verify(token, bytes(head[_HELLO_AT:_HELLO_AT + wire.HELLO.size]), p, p, "the segment")
+            out[_HELLO_AT:_HELLO_AT + wire.HELLO.size] = wire.make_hello(token, me, p, secrets.token_bytes(16))
+            at = _ring_at(ring, slot[p])  # p's ring inside mine
+            peer = _Peer(p, "\0" + peer_name, self._keep(head.cast("q")), self._keep(out[:_PAGE].cast("q")),
+                         self._keep(out[_PAGE:]), self._keep(mine[at:at + _PAGE].cast("q")),
+                         self._keep(mine[at + _PAGE:at + _PAGE + ring]))
             self._peers[p] = peer
             self._active.append(peer)
         store.set(f"shm/{me}/attached", b"1")
@@ -202,46 +210,51 @@ class ShmTransport(Transport):
         os.unlink(self._path)  # every peer has it mapped: from now on the memory dies with the job
         self._path = None
         for p in self.local:
-            at = self._ring_at(mine, slot[p]) + _HELLO_AT
+            at = _ring_at(ring, slot[p]) + _HELLO_AT
             self._verify(token, bytes(mine[at:at + wire.HELLO.size]), p, me, "the ring writer")
 
-    def _map(self, path: str, owner: int, ring: int = 0) -> memoryview:
-        """Create (ring > 0: with that ring size) or attach the segment of rank `owner`."""
-        seg_bytes = _PAGE + len(self.local) * (_PAGE + ring)
+    def _create(self, path: str, ring: int) -> memoryview:
+        """My segment, with all its memory allocated now: a full /dev/shm is an error here, not a
+        SIGBUS later, and no ring page faults in the middle of a collective."""
+        nbytes = _ring_at(ring, len(self.local))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._path = path
         try:
-            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if ring else 0), 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                raise OSError(f"rank {self.rank}: cannot allocate {nbytes} bytes of shared memory in {SHM_DIR} "
+                              f"({e.strerror}); in a container raise --shm-size, or set PYCOLL_TRANSPORT=tcp "
+                              "(or a smaller PYCOLL_SHM_RING)") from None
+            seg = self._mmap(fd, nbytes, 0)
+        finally:
+            os.close(fd)
+        seg[:_PAGE].cast("q")[_RING] = ring
+        return seg
+
+    def _attach(self, path: str, owner: int, slot: int) -> Tuple[memoryview, memoryview]:
+        """Map the header page of rank `owner`'s segment and my ring in it (control block + data)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise PeerError(f"rank {self.rank}: the shared-memory segment {path} of rank {owner} is gone "
                             "(that rank gave up or died while connecting)", owner) from None
         try:
-            if ring:
-                self._path = path
-                os.ftruncate(fd, seg_bytes)
-            else:
-                seg_bytes = os.fstat(fd).st_size
-                if seg_bytes < _PAGE:
-                    raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} is too short", owner)
-            mm = mmap.mmap(fd, seg_bytes)
+            nbytes = os.fstat(fd).st_size  # too short for a header: read as ring size 0, rejected below
+            head = self._mmap(fd, _PAGE, 0) if nbytes >= _PAGE else memoryview(bytes(_PAGE))
+            ring = head.cast("q")[_RING]
+            if ring < _MIN_RING or ring & (ring - 1) or nbytes != _ring_at(ring, len(self.local)):
+                raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} ({nbytes} bytes, ring "
+                                f"size {ring}) fits no layout for {len(self.local)} ranks (another pycoll?)", owner)
+            return head, self._mmap(fd, _PAGE + ring, _ring_at(ring, slot))
         finally:
             os.close(fd)
+
+    def _mmap(self, fd: int, length: int, offset: int) -> memoryview:
+        """A shared mapping with its page tables filled in up front (no faults on the data path)."""
+        mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _POPULATE, offset=offset)
         self._maps.append(mm)
-        seg = self._keep(memoryview(mm))
-        if ring:
-            seg[:_PAGE].cast("q")[_RING] = ring
-            return seg
-        ring = self._ring_size(seg)
-        if ring < _MIN_RING or ring & (ring - 1) or seg_bytes != _PAGE + len(self.local) * (_PAGE + ring):
-            raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} ({seg_bytes} bytes, ring "
-                            f"size {ring}) fits no layout for {len(self.local)} ranks (another pycoll?)", owner)
-        return seg
-
-    @staticmethod
-    def _ring_size(seg: memoryview) -> int:
-        return seg[:8].cast("q")[0]
-
-    def _ring_at(self, seg: memoryview, slot: int) -> int:
-        """Byte offset of ring `slot`'s control block in segment `seg`."""
-        return _PAGE + slot * (_PAGE + self._ring_size(seg))
+        return self._keep(memoryview(mm))
 
     def _keep(self, view: memoryview) -> memoryview:
         self._views.append(view)
