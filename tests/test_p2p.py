@@ -24,16 +24,21 @@ def _payload(dtype, count, seed):
     return data.astype(_dtype(dtype))
 
 
+def _pass_payload(comm, name, count, tag, got):
+    """Rank 0 sends a seeded payload to rank 1, which appends whether it arrived intact to `got`."""
+    if comm.rank == 0:
+        comm.send(_payload(name, count, tag), 1, tag=tag)
+    else:
+        buf = np.empty(count, _dtype(name))
+        comm.recv(buf, 0, tag=tag)
+        got.append(bool(np.array_equal(buf, _payload(name, count, tag))))
+
+
 def _every_dtype_and_size(comm):
     got = []
     for i, name in enumerate(DTYPES):
         for count in (0, 1, 1000, 70_000):
-            if comm.rank == 0:
-                comm.send(_payload(name, count, i), 1, tag=i)
-            else:
-                buf = np.empty(count, _dtype(name))
-                comm.recv(buf, 0, tag=i)
-                got.append(bool(np.array_equal(buf, _payload(name, count, i))))
+            _pass_payload(comm, name, count, i, got)
     if comm.rank == 0:
         comm.send(bytearray(b"\x07"), 1, tag=99)       # one byte, plain buffer protocol
     else:

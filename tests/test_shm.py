@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from multiproc import run_ranks
-from test_p2p import DTYPES, _dtype, _large, _mismatch, _out_of_order, _payload, _ring_of_sends
+from test_p2p import DTYPES, _dtype, _large, _mismatch, _out_of_order, _pass_payload, _ring_of_sends
 
 SHM = {"PYCOLL_TRANSPORT": "shm"}
 MIB = 1 << 20
@@ -21,12 +21,7 @@ def _dtypes_and_sizes(comm):
     for i, name in enumerate(DTYPES):
         item = _dtype(name).itemsize
         for count in (0, 1, MIB // item):  # 0 B, one element (1 B for the byte types), 1 MiB
-            if comm.rank == 0:
-                comm.send(_payload(name, count, i), 1, tag=i)
-            else:
-                buf = np.empty(count, _dtype(name))
-                comm.recv(buf, 0, tag=i)
-                got.append(bool(np.array_equal(buf, _payload(name, count, i))))
+            _pass_payload(comm, name, count, i, got)
     return got
 
 
