@@ -46,8 +46,11 @@ class Channel:
         key = MsgKey(self.comm_id, self.seq, tag)
         code = dtype_code(out.dtype)
         if self.transport.supports_sink:
-            def sink(payload: memoryview) -> None:
-                combine(op, np.frombuffer(payload, out.dtype), other, out)
+            size = out.dtype.itemsize
+
+            def sink(piece: memoryview, offset: int) -> None:
+                lo, hi = offset // size, (offset + piece.nbytes) // size
+                combine(op, np.frombuffer(piece, out.dtype), other[lo:hi], out[lo:hi])
             return self.transport.irecv(byte_view(out), self.group[peer], key, code, sink=sink)
         req = self.transport.irecv(byte_view(scratch), self.group[peer], key, code)
         self._after[id(req)] = lambda: combine(op, scratch, other, out)

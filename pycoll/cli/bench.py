@@ -144,6 +144,13 @@ def count_wrong(got: Optional[np.ndarray], want: Optional[np.ndarray]) -> int:
 class Peers:
     """Open MPI (mpi4py) and torch Gloo doing the same collective, for the ratio columns."""
 
+    GLOO_IN_PLACE = {"allreduce", "broadcast", "reduce"}  # torch.distributed writes these into the input
+
+    @classmethod
+    def compare_with(cls, name: str, collective: str) -> str:
+        """Which pycoll column a peer's ratio uses: the one that does the same thing (in or out of place)."""
+        return "in" if name == "gloo" and collective in cls.GLOO_IN_PLACE else "out"
+
     def __init__(self, comm: Any, wanted: List[str]) -> None:
         self.mpi = self.gloo = None
         self.notes: List[str] = []
@@ -216,6 +223,8 @@ def header(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> str:
                  f"transport {comm.transport.name}, algorithm {algo}, dtype {args.dtype}, op {args.op}, "
                  f"iters {args.iters}, warmup {args.warmup}, check {args.check}"]
     cols += [f"# {note}" for note in peers.notes]
+    cols += [f"# x{name} = {name} time / pycoll {Peers.compare_with(name, args.collective)}-of-place time "
+             "(like with like)" for name in peer_names(peers)]
     extra = "".join(f" {name + '(us)':>9} {'x' + name:>7}" for name in peer_names(peers))
     cols += ["#",
              f"# {'':>62}out-of-place{'':>23}in-place",
@@ -263,7 +272,7 @@ def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> 
             call = getattr(peers, f"{name}_call")(case, x, out)
             with np.errstate(all="ignore"):
                 t = time_it(comm.barrier, call, args.iters, args.warmup, reduce_max)
-            row[name] = _scores(case, spec, comm.size, t, 0)
+            row[name] = dict(_scores(case, spec, comm.size, t, 0), vs=Peers.compare_with(name, args.collective))
         rows.append(row)
         if comm.rank == 0:
             print(format_row(row, peer_names(peers)), flush=True)
@@ -295,7 +304,8 @@ def format_row(row: Dict[str, Any], names: List[str]) -> str:
         cells += f" {s['time_us']:>8.1f} {s['algbw']:>7.3f} {s['busbw']:>7.3f} {s['wrong']:>6}"
     for name in names:
         peer = row[name]
-        ratio = peer["time_us"] / row["out"]["time_us"] if row["out"]["time_us"] > 0 else 0.0
+        mine = row[peer["vs"]]["time_us"]
+        ratio = peer["time_us"] / mine if mine > 0 else 0.0
         cells += f" {peer['time_us']:>9.1f} {ratio:>6.2f}x"
     return cells
 

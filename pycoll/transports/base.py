@@ -10,6 +10,10 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+Sink = Callable[[memoryview, int], None]
+"""Consumes a received payload in place: sink(piece, offset) once or several times, in order; each
+piece starts at byte `offset` of the message, a multiple of 16 (so of every dtype's itemsize)."""
+
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 
@@ -28,7 +32,7 @@ class Request:
     __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle", "sink")
 
     def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool,
-                 sink: Optional[Callable[[memoryview], None]] = None) -> None:
+                 sink: Optional[Sink] = None) -> None:
         self.peer, self.key, self.view, self.dtype, self.is_recv = peer, key, view, dtype, is_recv
         self.nbytes = view.nbytes
         self.done = False
@@ -36,13 +40,13 @@ class Request:
         self.handle: Any = None  # transport-private: a send tracker, an MPI request, ...
         self.sink = sink         # consumes the payload instead of a copy into `view` (see irecv)
 
-    def deliver(self, payload: memoryview) -> None:
-        """Hand a received payload (already size-checked) to the sink, or copy it into the view."""
+    def deliver(self, payload: memoryview, offset: int = 0) -> None:
+        """Hand received bytes (size-checked) to the sink, or copy them into the view at `offset`."""
         if self.sink is None:
-            self.view[:] = payload
+            self.view[offset:offset + payload.nbytes] = payload
             return
         try:
-            self.sink(payload)
+            self.sink(payload, offset)
         except Exception as e:  # the waiter gets it, naming the peer
             self.error = e
 
@@ -78,11 +82,11 @@ class Transport(ABC):
 
     @abstractmethod
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+              sink: Optional[Sink] = None) -> Request:
         """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`.
 
-        With `sink` (only where supports_sink), the payload is passed to sink(payload) instead,
-        in the progressing thread, e.g. to reduce straight from the wire buffer.
+        With `sink` (only where supports_sink), the payload is passed to sink(piece, offset) instead,
+        in the progressing thread, e.g. to reduce straight from the wire buffer while it is in cache.
         """
 
     @abstractmethod

@@ -5,10 +5,10 @@ A single-host job is pure shm and never opens a socket; a rank alone on its host
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..bootstrap.store import Store
-from .base import MsgKey, Request, Transport
+from .base import MsgKey, Request, Sink, Transport
 from .shm import ShmTransport
 from .tcp import TcpTransport
 
@@ -43,7 +43,7 @@ class AutoTransport(Transport):
         return self._route[peer].isend(view, peer, key, dtype)
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+              sink: Optional[Sink] = None) -> Request:
         return self._route[peer].irecv(view, peer, key, dtype, sink)
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:

@@ -26,12 +26,12 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Transport
+from .base import MsgKey, Request, Sink, Transport
 
 SHM_DIR = "/dev/shm"
 RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
@@ -53,7 +53,6 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _FENCE = threading.Lock()
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
-_Sink = Callable[[memoryview], None]
 
 
 def _fence() -> None:
@@ -292,7 +291,7 @@ class ShmTransport(Transport):
         return req
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[_Sink] = None) -> Request:
+              sink: Optional[Sink] = None) -> Request:
         p = self._peer(peer)
         req = Request(peer, key, _as_bytes(view), dtype, is_recv=True, sink=sink)
         match = (peer, key.comm_id, key.seq, key.tag)

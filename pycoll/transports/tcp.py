@@ -1,8 +1,9 @@
 """TCP transport on pyzmq: one ROUTER per rank for everything inbound, one DEALER per peer outbound.
 
-Large payloads go out with copy=False (a tracker says when the buffer is free) and come in
-with recv_into straight into the posted buffer. Whichever thread waits drives the socket
-(leader/follower), so a single-threaded job pays no thread hand-off per message.
+Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
+travel on a raw stream per pair (bulk.py), read straight into the posted buffer; smaller ones
+ride zmq. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
+job pays no thread hand-off per message.
 """
 from __future__ import annotations
 
@@ -10,22 +11,27 @@ import logging
 import math
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import zmq
 
 from ..bootstrap.netif import select_address
 from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Transport
+from .base import MsgKey, Request, Sink, Transport
+from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
 
 COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
+BULK_THRESHOLD = float(os.environ.get("PYCOLL_TCP_BULK_THRESHOLD", 1 << 17))  # "inf": zmq only
+PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
 IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
 SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
@@ -34,6 +40,21 @@ _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
+
+
+class _Parked:
+    """A bulk payload announced before its receive was posted. It waits on its stream, unread, so
+    the receive can claim it and have it land in place; only if that takes PARK_AFTER s (the
+    program waits on a later message first) is it read into a buffer of its own and copied later."""
+
+    __slots__ = ("incoming", "buffer", "complete", "error", "req")
+
+    def __init__(self, incoming: Incoming) -> None:
+        self.incoming = incoming
+        self.buffer: Optional[memoryview] = None  # set once it is read ahead of its receive
+        self.complete = False
+        self.error: Optional[BaseException] = None  # the stream broke before all of it came
+        self.req: Optional[Request] = None
 
 
 class TcpTransport(Transport):
@@ -67,7 +88,13 @@ class TcpTransport(Transport):
         self._match = threading.Lock()         # guards _posted and _unexpected
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, zmq.Frame]]] = {}
+        self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, Union[zmq.Frame, _Parked]]]] = {}
+        self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER)
+        self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
+        self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._ident_rank: Dict[bytes, int] = {}
         self._seen_nonces: set = set()
         self._token = b""
@@ -82,9 +109,12 @@ class TcpTransport(Transport):
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         self._token = token
-        store.set(f"tcp/{self.rank}", self.endpoint.encode())
+        store.set(f"tcp/{self.rank}", f"{self.endpoint} {self._bulk.endpoint}".encode())
+        bulk_endpoints: Dict[int, str] = {}
         for peer in range(self.size):
-            endpoint = store.get(f"tcp/{peer}", timeout).decode()
+            endpoint, bulk_endpoint = store.get(f"tcp/{peer}", timeout).decode().split()
+            if peer != self.rank:
+                bulk_endpoints[peer] = bulk_endpoint
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -108,13 +138,17 @@ class TcpTransport(Transport):
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             with self._io:
                 self._drain(_SLICE)
+        self._bulk.establish(bulk_endpoints, token, deadline)
 
     # -- data path -----------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        self._check_alive(peer, "send to")
         req = Request(peer, key, view, dtype, is_recv=False)
+        if self._failed(req, "send to"):
+            return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
+        if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
+            return self._bulk_send(req, peer, key, dtype)
         with self._send_locks[peer]:
             sock.send(header, zmq.SNDMORE)
             if req.nbytes >= COPY_THRESHOLD:
@@ -124,8 +158,20 @@ class TcpTransport(Transport):
                 req.done = True
         return req
 
+    def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> Request:
+        """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
+        def done(error: Optional[BaseException]) -> None:
+            req.error, req.done = error, True
+
+        announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+        with self._send_locks[peer]:
+            self._dealers[peer].send_multipart([announce, b""])
+            if self._bulk.send(peer, Outgoing(req.view, done)):
+                self._wake_w.send(b"w")  # whoever drives must now poll this stream for writing
+        return req
+
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Callable[[memoryview], None]] = None) -> Request:
+              sink: Optional[Sink] = None) -> Request:
         req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
         match = (peer, key.comm_id, key.seq, key.tag)
         with self._match:
@@ -135,10 +181,23 @@ class TcpTransport(Transport):
                 if not queue:
                     del self._unexpected[match]
             else:
-                self._check_alive(peer, "receive from")  # what it sent before dying still counts
+                if self._failed(req, "receive from"):  # what it sent before dying still counts
+                    return req
                 self._posted.setdefault(match, deque()).append(req)
                 return req
         req.check_incoming(self.rank, header.nbytes, header.dtype)
+        if isinstance(frame, _Parked):
+            with self._match:
+                if frame.buffer is None and frame.error is None:  # still unread: it lands in place
+                    self._aim(req, frame.incoming)
+                    self._wake_w.send(b"r")  # whoever drives must now read that stream
+                    return req
+                if not frame.complete:  # being read aside: its completion delivers
+                    frame.req = req
+                    return req
+            if frame.error is not None:
+                self._finish(req, frame.error)
+                return req
         self._check_length(req, len(frame.buffer))
         if req.error is None:
             req.deliver(frame.buffer)
@@ -155,7 +214,7 @@ class TcpTransport(Transport):
             if left <= 0:
                 return False
             step = min(left, _SLICE)
-            if any(r.is_recv for r in pending):
+            if any(r.is_recv or r.handle is None for r in pending):  # receives or bulk sends
                 self._progress(pending, step)
             else:
                 try:
@@ -180,12 +239,22 @@ class TcpTransport(Transport):
                 self._cond.notify_all()
         else:
             with self._cond:
-                if any(not r.done for r in pending if r.is_recv):
+                if any(not r.done for r in pending):
                     self._cond.wait(step)
 
     def _drain(self, step: float) -> None:
         """Wait up to `step` s for traffic, then handle every message already queued (io lock held)."""
+        step = min(step, self._park_stalled())
+        self._poll_streams()
         events = dict(self._poller.poll(math.ceil(step * 1000)))
+        if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
+            self._drain_wakeups()
+        for peer in self._bulk_polled:
+            ev = events.get(self._bulk.socks[peer].fileno(), 0)
+            if ev & zmq.POLLOUT:
+                self._bulk.flush(peer)
+            if ev & (zmq.POLLIN | zmq.POLLERR):
+                self._bulk.read(peer)
         if self._monitor in events:
             self._log_monitor_events()
         if self._router in events:
@@ -195,6 +264,26 @@ class TcpTransport(Transport):
                 self._peer_lost(monitor)
         if self._lost_at:
             self._expire_lost()
+
+    def _poll_streams(self) -> None:
+        """Poll each raw stream for reading while payloads are announced, for writing while queued."""
+        for peer, sock in self._bulk.socks.items():
+            flags = ((zmq.POLLIN if self._bulk.wants_read(peer) else 0)
+                     | (zmq.POLLOUT if self._bulk.wants_write(peer) else 0))
+            if flags != self._bulk_polled.get(peer, 0):
+                if not flags:
+                    self._poller.unregister(sock)
+                    del self._bulk_polled[peer]
+                else:
+                    self._poller.register(sock, flags)  # registering again modifies
+                    self._bulk_polled[peer] = flags
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _read_router(self) -> None:
         router = self._router
@@ -223,6 +312,9 @@ class TcpTransport(Transport):
             elif header.kind == wire.KIND_BYE:
                 self._skip_rest()
                 self._said_bye.add(peer)
+            elif header.kind == wire.KIND_BULK:
+                self._skip_rest()
+                self._announce(peer, header)
             else:
                 self._deliver(peer, header)
 
@@ -250,11 +342,79 @@ class TcpTransport(Transport):
         self._skip_rest()
         req.done = True
 
-    def _check_alive(self, peer: int, what: str) -> None:
-        if self.failure is not None:
-            raise self.failure
-        if peer in self.dead:
-            raise PeerError(f"rank {self.rank}: cannot {what} rank {peer}: {self.dead[peer]}", peer)
+    def _announce(self, peer: int, header: wire.Header) -> None:
+        """A bulk payload is next on the peer's stream: aim it at its receive, or park it."""
+        if peer not in self._bulk.socks:
+            self._reject(b"", f"rank {peer} announced a bulk payload without a bulk stream")
+            return
+        match = (peer, header.comm_id, header.seq, header.tag)
+        with self._match:
+            queue = self._posted.get(match)
+            req = queue.popleft() if queue else None
+            if queue is not None and not queue:
+                del self._posted[match]
+            incoming = Incoming(header.nbytes, lambda error: None)
+            if req is None:
+                parked = incoming.owner = _Parked(incoming)
+                incoming.on_done = lambda error: self._unparked(parked, error)
+                self._unexpected.setdefault(match, deque()).append((header, parked))
+            self._bulk.expect(peer, incoming)
+        if req is not None:
+            req.check_incoming(self.rank, header.nbytes, header.dtype)
+            self._aim(req, incoming)
+
+    def _aim(self, req: Request, incoming: Incoming) -> None:
+        """Claim a bulk payload for `req`: read into its buffer, or through its sink piece by piece
+        (reducing while in cache); a payload that does not fit it is read and dropped."""
+        incoming.on_done = lambda error: self._finish(req, error)
+        if req.error is None and req.sink is None:
+            incoming.target = req.view
+            return
+
+        def consume(piece: memoryview, offset: int) -> None:
+            if req.error is None:
+                req.deliver(piece, offset)
+        incoming.consume = consume
+
+    def _park_stalled(self) -> float:
+        """Read aside the unclaimed payloads that have held up their stream for PARK_AFTER s; the
+        seconds until the next one is due (inf if none waits)."""
+        now, due = time.monotonic(), math.inf
+        for incoming in self._bulk.unclaimed_heads():
+            if now - incoming.since < PARK_AFTER:
+                due = min(due, incoming.since + PARK_AFTER - now)
+                continue
+            with self._match:
+                if not incoming.claimed:
+                    incoming.target = memoryview(np.empty(incoming.nbytes, np.uint8))  # no zero-fill
+                    incoming.owner.buffer = incoming.target
+        return due
+
+    @staticmethod
+    def _finish(req: Request, error: Optional[BaseException]) -> None:
+        if error is not None and req.error is None:
+            req.error = error
+        req.done = True
+
+    def _unparked(self, parked: _Parked, error: Optional[BaseException]) -> None:
+        """A parked payload is complete; hand it to the receive that claimed it meanwhile, if any."""
+        with self._match:
+            parked.complete, parked.error = True, error
+            req = parked.req
+        if req is None:
+            return
+        if error is None and req.error is None:
+            req.deliver(parked.buffer)
+        self._finish(req, error)
+
+    def _failed(self, req: Request, what: str) -> bool:
+        """Fail a new request at once if its peer (or the job) is known dead; its wait raises, naming the call."""
+        peer, why = req.peer, self.dead.get(req.peer) or self._bulk.closed_by.get(req.peer)
+        error = self.failure or (PeerError(f"rank {self.rank}: cannot {what} rank {peer}: {why}", peer)
+                                 if why else None)
+        if error is not None:
+            self._finish(req, error)
+        return error is not None
 
     def _peer_lost(self, monitor: zmq.Socket) -> None:
         """A peer's connection dropped: keep what it sent, fail every receive still waiting on it."""
@@ -295,6 +455,8 @@ class TcpTransport(Transport):
                         f"rank {self.rank}: rank {peer} closed its communicator before sending (comm "
                         f"{match[1]:#x}, call {match[2]}, tag {match[3]})", peer)
                     req.done = True
+        if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
+            self._bulk.fail(peer, self.dead[peer])
 
     def _fail_sends_to_dead(self, pending: List[Request]) -> None:
         for req in pending:
@@ -352,6 +514,7 @@ class TcpTransport(Transport):
                 sock.disable_monitor()
         for monitor in self._peer_monitors:
             monitor.close(linger=0)
+        self._bulk.drain_sends(time.monotonic() + _LINGER_MS / 1000)
         for peer, sock in enumerate(self._dealers):
             if sock is not None:
                 if peer != self.rank and peer not in self.dead:  # after our last data, in order
@@ -360,4 +523,7 @@ class TcpTransport(Transport):
         self._router.disable_monitor()
         self._monitor.close(linger=0)
         self._router.close(linger=0)
+        self._bulk.close()
+        self._wake_r.close()
+        self._wake_w.close()
         self._ctx.term()

@@ -9,6 +9,7 @@ from typing import NamedTuple
 MAGIC = b"PYCL"
 VERSION = 1
 KIND_DATA, KIND_HELLO, KIND_BYE = 0, 1, 2  # BYE: the sender closes normally, after its last data
+KIND_BULK = 3  # announces a payload of `nbytes` that follows on the pair's raw stream (bulk.py)
 HEADER = struct.Struct("<4sBBHQQqQ")  # magic, version, kind, dtype, comm_id, seq, tag, nbytes
 HELLO = struct.Struct("<II16s32s")   # src rank, dst rank, nonce, hmac
 
@@ -31,7 +32,7 @@ def unpack_header(data: bytes) -> Header:
     if len(data) != HEADER.size:
         raise ValueError(f"header of {len(data)} bytes, expected {HEADER.size}")
     magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack(data)
-    if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_HELLO, KIND_BYE):
+    if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_HELLO, KIND_BYE, KIND_BULK):
         raise ValueError("not a pycoll header (bad magic, version or kind)")
     return Header(kind, dtype, comm_id, seq, tag, nbytes)
 
