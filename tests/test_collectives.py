@@ -33,12 +33,13 @@ def test_every_collective_and_algorithm_large_counts(n):
 
 
 def _async_mixed(comm):
-    """Several async collectives on the world and on split communicators in flight at once."""
+    """Several async collectives on the world and on split communicators in flight at once, from
+    several threads, with messages big enough for tcp's bulk streams (so they share those too)."""
     even = comm.split(comm.rank % 2, key=-comm.rank)  # reverse order inside each half
     dup = comm.dup()
     a = np.full(50_000, comm.rank, np.float64)
-    b = np.full(10, comm.rank + 1, np.int64)
-    c = np.full(7, comm.rank, np.float32)
+    b = np.full(100_000, comm.rank + 1, np.int64)
+    c = np.full(300_000, comm.rank, np.float32)
     works = [comm.allreduce(a, async_op=True),
              even.allreduce(b, op="max", async_op=True),
              dup.broadcast(c, root=comm.size - 1, async_op=True),

@@ -67,27 +67,34 @@ def test_64_mib_message():
     assert run_ranks(_large, 2, env=TCP)[1] is True
 
 
-def _out_of_order(comm):
+BULK = 100_000  # int32 elements: 400 KB, above PYCOLL_TCP_BULK_THRESHOLD, so on the raw stream
+
+
+def _out_of_order(comm, count, mixed):
+    """Tags received in another order than sent (the receiver waits on the last one first, so the
+    earlier bulk payloads hold up their stream until read aside), then FIFO within one tag."""
+    same_tag = [count, 4, count] if mixed else [count] * 3  # small and bulk messages on one key
     if comm.rank == 0:
         for tag in (1, 2, 3):
-            comm.send(np.full(4, tag, np.int32), 1, tag=tag)
-        for k in range(3):  # same tag: delivered in send order
-            comm.send(np.full(4, 10 + k, np.int32), 1, tag=7)
+            comm.send(np.full(count, tag, np.int32), 1, tag=tag)
+        for k, n in enumerate(same_tag):  # same tag: delivered in send order
+            comm.send(np.full(n, 10 + k, np.int32), 1, tag=7)
         return None
     order = []
     for tag in (3, 1, 2):
-        buf = np.empty(4, np.int32)
+        buf = np.empty(count, np.int32)
         comm.recv(buf, 0, tag=tag)
-        order.append(int(buf[0]))
-    for _ in range(3):
-        buf = np.empty(4, np.int32)
+        order.append(int(buf[0]) if np.all(buf == buf[0]) else -1)
+    for n in same_tag:
+        buf = np.empty(n, np.int32)
         comm.recv(buf, 0, tag=7)
-        order.append(int(buf[0]))
+        order.append(int(buf[0]) if np.all(buf == buf[0]) else -1)
     return order
 
 
-def test_tags_match_out_of_order_and_fifo_within_a_tag():
-    assert run_ranks(_out_of_order, 2, env=TCP)[1] == [3, 1, 2, 10, 11, 12]
+@pytest.mark.parametrize("count,mixed", [(4, False), (BULK, False), (BULK, True)])
+def test_tags_match_out_of_order_and_fifo_within_a_tag(count, mixed):
+    assert run_ranks(_out_of_order, 2, count, mixed, env=TCP)[1] == [3, 1, 2, 10, 11, 12]
 
 
 def _ring_of_sends(comm):
@@ -108,29 +115,33 @@ def test_many_ranks_exchange(n):
     assert got == [float((r - 1) % n) for r in range(n)]
 
 
-def _mismatch(comm):
+def _mismatch(comm, n):
     import pycoll
     if comm.rank == 0:
-        comm.send(np.zeros(10, np.float32), 1)
-        comm.send(np.zeros(10, np.float32), 1, tag=1)
+        comm.send(np.zeros(n, np.float32), 1)
+        comm.send(np.zeros(n, np.float32), 1, tag=1)
+        comm.send(np.arange(n, dtype=np.float32), 1, tag=2)
         return "sent"
-    buf = np.full(20, 5, np.float32)
+    buf = np.full(2 * n, 5, np.float32)
     try:
         comm.recv(buf, 0)
     except pycoll.ProtocolError as e:
         assert np.all(buf == 5), "a rejected message must not touch the buffer"
         msg = str(e)
     try:
-        comm.recv(np.empty(10, np.int32), 0, tag=1)
+        comm.recv(np.empty(n, np.int32), 0, tag=1)
     except pycoll.ProtocolError as e:
-        return msg, str(e)
-    return "no error"
+        dtype_msg = str(e)
+    after = np.empty(n, np.float32)
+    comm.recv(after, 0, tag=2)  # the stream is still in step after the rejected payloads
+    return msg, dtype_msg, bool(np.array_equal(after, np.arange(n, dtype=np.float32)))
 
 
-def test_size_and_dtype_mismatch_is_an_error_not_garbage():
-    _, (size_msg, dtype_msg) = run_ranks(_mismatch, 2, env=TCP)
-    assert "40 bytes" in size_msg and "expects 80 bytes" in size_msg and "rank 0" in size_msg
-    assert "dtype" in dtype_msg
+@pytest.mark.parametrize("n", [10, BULK])
+def test_size_and_dtype_mismatch_is_an_error_not_garbage(n):
+    _, (size_msg, dtype_msg, intact) = run_ranks(_mismatch, 2, n, env=TCP)
+    assert f"{4 * n} bytes" in size_msg and f"expects {8 * n} bytes" in size_msg and "rank 0" in size_msg
+    assert "dtype" in dtype_msg and intact
 
 
 def _bad_args(comm):
