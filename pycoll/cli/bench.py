@@ -223,7 +223,7 @@ def header(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> str:
                  f"transport {comm.transport.name}, algorithm {algo}, dtype {args.dtype}, op {args.op}, "
                  f"iters {args.iters}, warmup {args.warmup}, check {args.check}"]
     cols += [f"# {note}" for note in peers.notes]
-    cols += [f"# x{name} = {name} time / pycoll {Peers.compare_with(name, args.collective)}-of-place time "
+    cols += [f"# x{name} = {name} time / pycoll {'in-place' if Peers.compare_with(name, args.collective) == 'in' else 'out-of-place'} time "
              "(like with like)" for name in peer_names(peers)]
     extra = "".join(f" {name + '(us)':>9} {'x' + name:>7}" for name in peer_names(peers))
     cols += ["#",
