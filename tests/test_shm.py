@@ -130,15 +130,16 @@ def test_close_flushes_queued_sends():
 
 
 @pytest.mark.timeout(60)
-def test_tags_out_of_order_and_fifo_within_a_tag():
-    assert run_ranks(_out_of_order, 2, env=SHM)[1] == [3, 1, 2, 10, 11, 12]
+@pytest.mark.parametrize("count,mixed", [(4, False), (100_000, True)])
+def test_tags_out_of_order_and_fifo_within_a_tag(count, mixed):
+    assert run_ranks(_out_of_order, 2, count, mixed, env=SHM)[1] == [3, 1, 2, 10, 11, 12]
 
 
 @pytest.mark.timeout(60)
 def test_size_and_dtype_mismatch_is_a_protocol_error():
-    _, (size_msg, dtype_msg) = run_ranks(_mismatch, 2, env=SHM)
+    _, (size_msg, dtype_msg, intact) = run_ranks(_mismatch, 2, 10, env=SHM)
     assert "40 bytes" in size_msg and "expects 80 bytes" in size_msg and "rank 0" in size_msg
-    assert "dtype" in dtype_msg
+    assert "dtype" in dtype_msg and intact
 
 
 def _big_mismatch(comm):
