@@ -2,7 +2,10 @@
 
 The TCP protocol is length-prefixed binary with no pickle: a request is one frame
 `u32 length | op byte | fields`, each field `u32 length | bytes`; a reply is one frame
-`status byte | fields`. Clients prove they know the job token in their first frame.
+`status byte | fields`. Clients prove they know the job token in their first frame, within
+HANDSHAKE_TIMEOUT seconds; at most MAX_UNAUTHENTICATED connections wait for theirs (a new one
+evicts the oldest), so strangers cannot pin the server's threads. Rejections are logged
+rate-limited (pycoll.logutil).
 """
 from __future__ import annotations
 
@@ -16,15 +19,19 @@ import threading
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import StoreError, TimeoutError
+from ..logutil import RateLimitedLog
 
 log = logging.getLogger("pycoll.store")
 
 DEFAULT_TIMEOUT = 300.0
 MAX_FRAME = 64 << 20  # larger length fields are hostile or broken: the connection is dropped
 MAX_HELLO_FRAME = 1024  # a client's first frame, read before its token is checked: strangers get no more
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its whole first frame
+MAX_UNAUTHENTICATED = 64  # connections awaiting their first frame; a new one evicts the oldest
 _WAIT_SLICE = 3600.0  # longest single condition wait: huge or infinite timeouts overflow the lock's limit
 _MAGIC = b"PYCS1"
 _U32 = struct.Struct("!I")
@@ -93,10 +100,17 @@ def _decode_fields(body: bytes) -> List[bytes]:
     return fields
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    """Exactly `n` bytes; with a monotonic `deadline`, socket.timeout once it passes (however the
+    bytes trickle in)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"deadline passed with {got} of {n} bytes received")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed")
@@ -104,11 +118,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
-    (n,) = _U32.unpack(_recv_exact(sock, 4))
+def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME, deadline: Optional[float] = None) -> bytes:
+    (n,) = _U32.unpack(_recv_exact(sock, 4, deadline))
     if n == 0 or n > limit:
         raise ValueError(f"frame length {n} out of range")
-    return _recv_exact(sock, n)
+    return _recv_exact(sock, n, deadline)
 
 
 class TCPStoreServer:
@@ -132,6 +146,9 @@ class TCPStoreServer:
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._conns: List[socket.socket] = []
+        self._pending: "OrderedDict[socket.socket, None]" = OrderedDict()  # awaiting their first frame
+        self._pending_lock = threading.Lock()
+        self.rejects = RateLimitedLog(log, "store: rejected clients")
         self._thread = threading.Thread(target=self._accept_loop, name="pycoll-store", daemon=True)
         self._thread.start()
 
@@ -143,6 +160,13 @@ class TCPStoreServer:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.append(conn)
+            with self._pending_lock:
+                if len(self._pending) >= MAX_UNAUTHENTICATED:
+                    oldest, _ = self._pending.popitem(last=False)
+                    _hang_up(oldest)  # its thread sees the connection close and ends
+                    self.rejects.warning("store: dropped the oldest of %d connections still silent "
+                                         "(a new one came in)", MAX_UNAUTHENTICATED)
+                self._pending[conn] = None
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
                              name="pycoll-store-conn").start()
 
@@ -157,27 +181,30 @@ class TCPStoreServer:
         except (ConnectionError, OSError):
             pass
         except (ValueError, IndexError, struct.error) as e:
-            log.warning("store: dropped client %s after a malformed request: %s", addr, e)
+            self.rejects.warning("store: dropped client %s after a malformed request: %s", addr, e)
         finally:
             conn.close()
             self._conns.remove(conn)
 
     def _handshake(self, conn: socket.socket, addr) -> bool:
-        conn.settimeout(30.0)  # a stranger that connects and says nothing must not pin a thread forever
+        """Read the first frame within HANDSHAKE_TIMEOUT s and answer it; True for a job member."""
         try:
-            body = _recv_frame(conn, MAX_HELLO_FRAME)
+            body = _recv_frame(conn, MAX_HELLO_FRAME, time.monotonic() + HANDSHAKE_TIMEOUT)
             fields = _decode_fields(body[1:])
             ok = body[0] == OP_HELLO and len(fields) == 2 and fields[0] == _MAGIC
             if ok and self._token is not None:
                 ok = hmac.compare_digest(fields[1], self._token)
         except (ValueError, IndexError, socket.timeout) as e:
-            log.warning("store: rejected client %s: bad handshake (%s)", addr, e)
+            self.rejects.warning("store: rejected client %s: bad handshake (%s)", addr, e)
             return False
+        finally:
+            with self._pending_lock:
+                self._pending.pop(conn, None)
         conn.settimeout(None)
         status = ST_OK if ok else ST_DENIED
         conn.sendall(_U32.pack(1) + bytes([status]))
         if not ok:
-            log.warning("store: rejected client %s: wrong job token or protocol", addr)
+            self.rejects.warning("store: rejected client %s: wrong job token or protocol", addr)
         return ok
 
     def _wait_keys(self, keys: List[bytes], timeout: float) -> bool:
@@ -234,10 +261,16 @@ class TCPStoreServer:
             pass
         self._sock.close()
         for c in list(self._conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _hang_up(c)
+        self.rejects.flush()
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """Shut a connection down, waking the thread blocked reading it (which then closes it)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class TCPStore(Store):

@@ -197,24 +197,28 @@ class _Job:
                 _say(f"received {signal.Signals(signum).name}; stopping all ranks")
                 self._stop(signum)
                 return 128 + signum
-            for rank, proc in list(running.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
+            ended = {rank: code for rank, code in ((r, p.poll()) for r, p in running.items()) if code is not None}
+            for rank in ended:
                 del running[rank]
-                if code != 0:
-                    self._join_output(rank)  # its last words (a traceback) come before our verdict
-                    how = (f"was killed by signal {_signal_name(-code)}" if code < 0
-                           else f"exited with code {code}")
-                    _say(f"rank {rank} (pid {proc.pid}) {how}; stopping all ranks")
-                    self._stop()
-                    return code if code > 0 else 128 - code
+            failed = sorted((rank for rank, code in ended.items() if code != 0),
+                            key=lambda rank: (ended[rank] > 0, rank))  # a killed rank is the likelier cause
+            if failed:
+                return self._fail(failed[0], ended[failed[0]], failed[1:])
             if deadline is not None and time.monotonic() >= deadline:
                 _say(f"the job ran past --timeout {self.args.timeout:g} s; killing all ranks")
                 self._stop()
                 return TIMEOUT_EXIT
             time.sleep(_POLL_S)
         return 0
+
+    def _fail(self, rank: int, code: int, others: List[int]) -> int:
+        """Report rank `rank`'s failure (and others that ended with it), stop the job, return its code."""
+        self._join_output(rank)  # its last words (a traceback) come before our verdict
+        how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        also = f" (ranks {others} failed at the same time)" if others else ""
+        _say(f"rank {rank} (pid {self.procs[rank].pid}) {how}{also}; stopping all ranks")
+        self._stop()
+        return code if code > 0 else 128 - code
 
     def _stop(self, first: int = signal.SIGTERM) -> None:
         """Send `first` to live ranks, SIGKILL after GRACE_S, then SIGKILL every rank's group."""

@@ -20,13 +20,24 @@ waits for gets to run), then sleeps 20 us growing by 1.25x to 1 ms. Sleeping soo
 latency-bound step wait out a peer's sleep: 8 B ring allreduce on 4 ranks / 2 cores went 1 -> 7 ms.
 One lock guards the matching tables and every MPI call made here (all MPI_THREAD_SERIALIZED needs);
 mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see serialized()).
+
+Dead peers: MPI itself never says that a rank died (Open MPI 4.1 has no ULFM; by default mpirun
+SIGTERMs the whole job ~0.5 s after a rank dies, and with `--mca orte_abort_on_non_zero_status 0`
+it leaves the survivors waiting forever). So ranks swap pids at connect and every waiter checks,
+every _LIVENESS_S, a pidfd per same-host peer: a peer that exited fails every wait with a PeerError
+naming it, and the transport is broken from then on (as tcp's). Such a job cannot finalize
+(MPI_Finalize waits for the dead rank), so the rank calls MPI_Abort when the interpreter exits,
+after the user's traceback is printed. Ranks on other hosts have no pid to watch: their death is
+left to mpirun.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
 import os
+import select
 import struct
 import threading
 import time
@@ -47,6 +58,9 @@ _SPIN = 5e-4                # seconds of polling (yielding the CPU each pass) be
 _MIN_PAUSE, _MAX_PAUSE, _GROWTH = 20e-6, 1e-3, 1.25
 _LINGER = 5.0               # seconds close() waits for sends still in flight
 _HELLO_NONCE = b"pycoll-mpi-transport"
+_PID = struct.Struct("<q")
+_LIVENESS_S = 0.05          # how often a waiter checks that its same-host peers still run
+_ABORT_CODE = 1             # MPI_Abort's error code when a rank exits after a peer died
 
 _Match = Tuple[int, int, int, int]   # (peer, comm_id, seq, tag)
 _Slot = Tuple[int, int]              # (peer, MPI tag)
@@ -84,7 +98,7 @@ class MpiTransport(Transport):
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
-        super().__init__(rank, size)  # address and hosts are unused: MPI picks its own paths
+        super().__init__(rank, size)  # address is unused: MPI picks its own paths
         self._mpi = MPI = load_mpi()
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (rank, size):
@@ -108,30 +122,47 @@ class MpiTransport(Transport):
         self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
         self._listening: Set[_Slot] = set()   # slots with a header Irecv outstanding
         self._closed = False
+        self._local = [p for p in range(size) if p != rank and hosts and hosts[p] == hosts[rank]]
+        self._pidfds: Dict[int, int] = {}     # pidfd -> same-host peer rank (readable once it exits)
+        self._watch = select.poll()
+        self._next_check = 0.0
+        self.failure: Optional[PeerError] = None  # set once a peer died: the job is broken
 
     # -- set-up ----------------------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
-        """Dup the world communicator and check that every rank holds this job's token (no store needed)."""
+        """Dup the world communicator, check that every rank holds this job's token (no store needed),
+        and start watching the same-host peers' pids (each bound into its token proof)."""
         MPI = self._mpi
         self._comm = MPI.COMM_WORLD.Dup()
         self._parent = MPI.COMM_WORLD.Dup()
-        mine = wire.hello_mac(token, self.rank, self.rank, _HELLO_NONCE)
-        macs = bytearray(len(mine) * self.size)
+        pid = _PID.pack(os.getpid())
+        mine = pid + wire.hello_mac(token, self.rank, self.rank, _HELLO_NONCE + pid)
+        n = len(mine)
+        table = bytearray(n * self.size)
         finished: List[bool] = []
         with self._lock:
-            req = self._comm.Iallgather([mine, MPI.BYTE], [macs, MPI.BYTE])
+            req = self._comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
             self._ops.append((req, lambda status: finished.append(True), False))
         if not self._poll(lambda: bool(finished), timeout):
             raise TimeoutError(f"rank {self.rank}: not every MPI rank reached the mpi transport's set-up "
                                f"within {timeout:g} s")
-        strangers = [p for p in range(self.size) if macs[p * len(mine):(p + 1) * len(mine)]
-                     != wire.hello_mac(token, p, p, _HELLO_NONCE)]
+        entries = [bytes(table[p * n:(p + 1) * n]) for p in range(self.size)]
+        strangers = [p for p, e in enumerate(entries)
+                     if e[_PID.size:] != wire.hello_mac(token, p, p, _HELLO_NONCE + e[:_PID.size])]
         if strangers:
             raise PeerError(f"rank {self.rank}: MPI ranks {strangers} hold another job token; are they "
                             "part of another pycoll job?", strangers[0])
+        for p in self._local:
+            try:
+                fd = os.pidfd_open(_PID.unpack(entries[p][:_PID.size])[0])
+            except ProcessLookupError:
+                raise PeerError(f"rank {self.rank}: MPI rank {p} died while the mpi transport connected", p) from None
+            self._pidfds[fd] = p
+            self._watch.register(fd, select.POLLIN)
 
     # -- data path -------------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=False)
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         tag, BYTE = self._mpi_tag(key), self._mpi.BYTE
@@ -146,6 +177,7 @@ class MpiTransport(Transport):
         return req
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=True)
         match = (peer, key.comm_id, key.seq, key.tag)
         with self._lock:
@@ -167,10 +199,17 @@ class MpiTransport(Transport):
         return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
-        return self._poll(lambda: all(r.done for r in reqs), timeout)
+        """As Transport.wait_for; once a same-host peer died, every pending request fails naming it."""
+        done = self._poll(lambda: self.failure is not None or all(r.done for r in reqs), timeout)
+        if self.failure is not None:
+            for r in reqs:
+                if not r.done:
+                    r.error, r.done = self.failure, True
+        return done
 
     def _poll(self, finished: Callable[[], bool], timeout: float) -> bool:
-        """Drive MPI until `finished()` (True) or `timeout` s pass (False); yields, then sleeps, when idle."""
+        """Drive MPI until `finished()` (True) or `timeout` s pass (False); yields, then sleeps, when idle.
+        Checks that the same-host peers still run every _LIVENESS_S."""
         now = time.monotonic()
         deadline, spin_until, pause = now + timeout, now + _SPIN, _MIN_PAUSE
         while True:
@@ -179,6 +218,11 @@ class MpiTransport(Transport):
             if finished():
                 return True
             now = time.monotonic()
+            if now >= self._next_check and self._pidfds:
+                self._next_check = now + _LIVENESS_S
+                self._check_peers()
+                if finished():
+                    return True
             if moved:
                 spin_until, pause = now + _SPIN, _MIN_PAUSE
             elif now >= deadline:
@@ -188,6 +232,34 @@ class MpiTransport(Transport):
             else:
                 time.sleep(min(deadline - now, pause))
                 pause = min(pause * _GROWTH, _MAX_PAUSE)
+
+    # -- dead peers ------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _check_peers(self) -> None:
+        """Declare the job broken if a same-host peer's process has exited (its pidfd is readable)."""
+        if self.failure is not None:
+            return
+        gone = sorted(self._pidfds[fd] for fd, _ in self._watch.poll(0))
+        if not gone:
+            return
+        self.failure = PeerError(f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this "
+                                 "communicator cannot complete collectives any more, and MPI cannot "
+                                 "finalize: this rank calls MPI_Abort when it exits", gone[0])
+        log.warning("rank %d: MPI rank(s) %s died; failing every pending operation", self.rank, gone)
+        with self._lock:
+            for queue in self._posted.values():
+                for req in queue:
+                    req.error, req.done = self.failure, True
+            self._posted.clear()
+        atexit.register(self._abort)
+
+    def _abort(self) -> None:
+        """At exit after a peer died: MPI_Finalize would wait for it forever, so end the MPI job."""
+        if not self._mpi.Is_finalized():
+            self._mpi.COMM_WORLD.Abort(_ABORT_CODE)
 
     # -- matching (all with the lock held) -------------------------------------------------------
     def _mpi_tag(self, key: MsgKey) -> int:
@@ -311,15 +383,20 @@ class MpiTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        for fd in self._pidfds:
+            self._watch.unregister(fd)
+            os.close(fd)
+        self._pidfds.clear()
         if self._mpi.Is_finalized():
             return
-        self._poll(lambda: not any(is_send for _, _, is_send in self._ops), _LINGER)
+        linger = 0.0 if self.failure is not None else _LINGER  # sends to a dead rank never finish
+        self._poll(lambda: not any(is_send for _, _, is_send in self._ops), linger)
         with self._lock:
             for req, _, is_send in self._ops:
                 if not is_send:
                     req.Cancel()
             self._ops = [(req, None, is_send) for req, _, is_send in self._ops]
-        if not self._poll(lambda: not self._ops, _LINGER):
+        if not self._poll(lambda: not self._ops, linger) and self.failure is None:
             log.warning("rank %d: mpi transport closed with %d MPI requests unfinished", self.rank,
                         len(self._ops))
         for comm in (*self._native.values(), self._parent, self._comm):

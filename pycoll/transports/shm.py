@@ -12,7 +12,8 @@ rings, yielding the CPU between sweeps, and after a bounded number of fruitless 
 unix datagram socket (its doorbell) that peers poke after publishing data or freeing space it
 waits for. Segment names are random per job, travel through the authenticated store and carry
 token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
-/dev/shm after close() or kill -9.
+/dev/shm after close() or kill -9. A sleeper also polls a pidfd per local peer: a peer that exits
+without marking its segment closed died, and every pending request then fails naming it (as tcp).
 """
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ _SPIN = 64            # fruitless sweeps, each followed by a yield of the CPU, b
 _SLICE = 0.1          # longest sleep before re-checking deadlines and whether peers are alive
 _LINGER = 5.0         # close(): how long queued sends may take to drain
 _HELLO_AT = 256       # byte offset of the token proof in the segment header and in each control block
-# int64 indices. Segment header: its ring size, and "the owner sleeps on its doorbell". Ring control
-# block: the writer's head, the reader's tail and the writer's "sends wait for room", on own lines.
-_RING, _ASLEEP = 0, 16
+# int64 indices. Segment header: its ring size, "the owner closed its transport", "the owner sleeps
+# on its doorbell" and the owner's pid. Ring control block: the writer's head, the reader's tail and
+# the writer's "sends wait for room", on own lines.
+_RING, _CLOSED, _ASLEEP, _PID = 0, 8, 16, 24
+_CLOSED_AFTER = 2     # _CLOSED: 1 closed normally, _CLOSED_AFTER + r closed because rank r died
 _HEAD, _TAIL, _BLOCKED = 0, 8, 16
 _NAME = re.compile(r"pycoll-[0-9a-f]{16}-[0-9]+\Z")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -170,6 +173,8 @@ class ShmTransport(Transport):
         self._path: Optional[str] = None    # my segment's file, until unlinked
         self._bell: Optional[socket.socket] = None
         self._poll = select.poll()
+        self._pidfds: Dict[int, int] = {}   # pidfd -> local peer rank (readable once that process exits)
+        self.failure: Optional[PeerError] = None  # set once a local peer died: the job is broken
         self._closed = False
 
     # -- connection set-up -------------------------------------------------------------------
@@ -211,6 +216,20 @@ class ShmTransport(Transport):
         for p in self.local:
             at = _ring_at(ring, slot[p]) + _HELLO_AT
             self._verify(token, bytes(mine[at:at + wire.HELLO.size]), p, me, "the ring writer")
+            if p != me:
+                self._watch(p)
+
+    def _watch(self, p: int) -> None:
+        """Poll a pidfd of local peer `p` beside the doorbell, so a sleeper learns at once that it died
+        (without a pidfd, as in another pid namespace, _fail_if_gone's doorbell check remains)."""
+        try:
+            fd = os.pidfd_open(self._peers[p].flags[_PID])
+        except ProcessLookupError:
+            raise PeerError(f"rank {self.rank}: rank {p} died while the shm transport connected", p) from None
+        except (AttributeError, OSError):
+            return
+        self._pidfds[fd] = p
+        self._poll.register(fd, select.POLLIN)
 
     def _create(self, path: str, ring: int) -> memoryview:
         """My segment, with all its memory allocated now: a full /dev/shm is an error here, not a
@@ -228,7 +247,9 @@ class ShmTransport(Transport):
             seg = self._mmap(fd, nbytes, 0)
         finally:
             os.close(fd)
-        seg[:_PAGE].cast("q")[_RING] = ring
+        head = seg[:_PAGE].cast("q")
+        head[_RING], head[_PID] = ring, os.getpid()
+        head.release()
         return seg
 
     def _attach(self, path: str, owner: int, slot: int) -> Tuple[memoryview, memoryview]:
@@ -323,6 +344,9 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._lock:
             while not all(r.done for r in reqs):
+                if self.failure is not None:
+                    self._fail(reqs)
+                    return True
                 if not self._driving:
                     self._driving = True
                     try:
@@ -357,6 +381,9 @@ class ShmTransport(Transport):
                 idle = 0
             if all(r.done for r in reqs):
                 return True
+            if self.failure is not None:
+                self._fail(reqs)
+                return True
             now = time.monotonic()
             if now >= deadline:
                 return False
@@ -380,16 +407,50 @@ class ShmTransport(Transport):
             return True
         self._lock.release()
         try:
-            if self._poll.poll(math.ceil(min(timeout, _SLICE) * 1000)):
+            events = self._poll.poll(math.ceil(min(timeout, _SLICE) * 1000))
+        finally:
+            self._lock.acquire()
+        for fd, _ in events:
+            if fd in self._pidfds:
+                self._exited(fd)
+            else:
                 try:
                     while True:
                         self._bell.recv(64)
                 except BlockingIOError:
                     pass
-        finally:
-            self._lock.acquire()
         flags[_ASLEEP] = 0
         return self._sweep()
+
+    def _exited(self, fd: int) -> None:
+        """Local peer behind pidfd `fd` exited: if it never closed its transport it died, which breaks
+        every collective of this job (self.failure); a peer that closed fails only what waits on it
+        (_fail_if_gone)."""
+        peer = self._pidfds.pop(fd)
+        self._poll.unregister(fd)
+        os.close(fd)
+        if not self._peers[peer].flags[_CLOSED] and self.failure is None:
+            self.failure = PeerError(f"rank {self.rank}: rank {peer} died (its process exited without closing "
+                                     "its shm transport); this communicator cannot complete collectives any "
+                                     "more", peer)
+
+    def _learn_failure(self, gone: int) -> None:
+        """Local peer `gone` has no doorbell any more: before blaming it, look whether a death is the
+        root cause: one of our pidfds already fired, or `gone` closed because a rank had died."""
+        for fd in [fd for fd in self._pidfds if select.select([fd], [], [], 0)[0]]:
+            self._exited(fd)
+        closed = self._peers[gone].flags[_CLOSED]
+        if self.failure is None and closed >= _CLOSED_AFTER:
+            dead = closed - _CLOSED_AFTER
+            self.failure = PeerError(f"rank {self.rank}: rank {dead} died (rank {gone} saw it and closed its "
+                                     "shm transport); this communicator cannot complete collectives any more",
+                                     dead)
+
+    def _fail(self, reqs: Sequence[Request]) -> None:
+        """Fail every request of `reqs` still pending with the job's failure."""
+        for r in reqs:
+            if not r.done:
+                r.error, r.done = self.failure, True
 
     def _fail_if_gone(self, reqs: Sequence[Request]) -> bool:
         """After a quiet slice: fail the pending requests whose peer no longer has a doorbell (it died
@@ -401,6 +462,10 @@ class ShmTransport(Transport):
             except BlockingIOError:
                 continue
             except ConnectionRefusedError:
+                self._learn_failure(peer)
+                if self.failure is not None:
+                    self._fail(reqs)
+                    return True
                 for r in reqs:
                     if r.peer == peer and not r.done:
                         r.error = PeerError(f"rank {self.rank}: rank {peer} died or closed its shm "
@@ -633,6 +698,12 @@ class ShmTransport(Transport):
         if queued:
             self.wait_for(queued, _LINGER)
         with self._lock:
+            if self._peers[self.rank] is not None:  # peers now tell my exit from a death, and learn its cause
+                dead = self.failure.peer if self.failure is not None else None
+                self._peers[self.rank].flags[_CLOSED] = 1 if dead is None else _CLOSED_AFTER + dead
+            for fd in self._pidfds:
+                os.close(fd)
+            self._pidfds.clear()
             self._active.clear()
             self._peers = [None] * self.size
             for view in reversed(self._views):

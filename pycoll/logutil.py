@@ -1,0 +1,46 @@
+"""Rate-limited warnings: a stranger hammering a port must not flood the job's logs."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+
+class RateLimitedLog:
+    """Logs the first `burst` warnings of each `interval` seconds and counts the rest; the count is
+    reported with the next warning let through, or by flush() (e.g. when the port closes)."""
+
+    def __init__(self, logger: logging.Logger, what: str, burst: int = 5, interval: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.what, self.burst, self.interval, self._clock = logger, what, burst, interval, clock
+        self._lock = threading.Lock()
+        self._start = clock()
+        self._logged = 0
+        self.suppressed = 0  # warnings not logged since the last summary
+        self.total = 0       # every warning ever offered
+
+    def warning(self, msg: str, *args: Any) -> None:
+        """Log `msg % args` unless this interval's burst is used up (then only count it)."""
+        with self._lock:
+            self.total += 1
+            now = self._clock()
+            if now - self._start >= self.interval:
+                self._summarize(now)
+                self._start, self._logged = now, 0
+            if self._logged >= self.burst:
+                self.suppressed += 1
+                return
+            self._logged += 1
+        self.logger.warning(msg, *args)
+
+    def flush(self) -> None:
+        """Report what was suppressed so far, if anything."""
+        with self._lock:
+            self._summarize(self._clock())
+
+    def _summarize(self, now: float) -> None:
+        if self.suppressed:
+            self.logger.warning("%s: %d more suppressed in the last %.0f s (%d in all)", self.what,
+                                self.suppressed, now - self._start, self.total)
+            self.suppressed = 0
