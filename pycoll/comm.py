@@ -8,13 +8,14 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from . import debug
-from .algorithms.registry import Selector, resolve
+from . import debug, tuner
+from .algorithms.registry import Selector
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
 from .channel import Channel, byte_view
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
+from .topology import Topology
 from .transports.base import MsgKey, Transport
 from .work import Work, Worker
 
@@ -32,12 +33,16 @@ class Communicator:
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
-                 owns_transport: bool = False, selector: Optional[Selector] = None) -> None:
+                 owns_transport: bool = False, selector: Optional[Selector] = None,
+                 topology: Optional[Topology] = None) -> None:
         self.transport, self.group, self.name = transport, list(group), name
         self._rank, self.timeout, self.store = rank, timeout, store
         self.comm_id = comm_hash(name)
         self.membership = membership
-        self.selector = selector or Selector()
+        self.topology = topology or (Topology(membership.ranks) if membership.ranks
+                                     else Topology.from_hosts(membership.hosts))
+        self.selector = selector or Selector(tuner=tuner.for_communicator(
+            self._tuner_channel, rank, self.topology, transport.name))
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -76,6 +81,7 @@ class Communicator:
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
         self._check_open(collective)
+        timeout = self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
         with self._seq_lock:
@@ -107,13 +113,28 @@ class Communicator:
                     self._inflight -= 1
         return self._worker.submit(what, tracked)
 
+    def _tuner_channel(self, seq: int) -> Channel:
+        """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
+        return Channel(self.transport, self.group, self.rank, comm_hash(f"{self.name}/tuner"), seq,
+                       self.timeout, f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
+
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
-        return resolve(collective, self.selector.choose(collective, nbytes, self.size, algo))
+        return self.selector.function(collective, nbytes, self.topology, algo)
 
     # -- validation -------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: {call} on {self.name} after close()")
+
+    def _deadline(self, timeout: Optional[float], call: str) -> float:
+        """The seconds a call may wait: its own `timeout=` (a positive number, inf allowed) or the default."""
+        if timeout is None:
+            return self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+                or not timeout > 0:
+            raise ValueError(f"rank {self.rank}: {call} timeout={timeout!r} must be a positive number of "
+                             "seconds (or None for PYCOLL_TIMEOUT)")
+        return float(timeout)
 
     def _peer(self, peer: int, role: str, call: str) -> int:
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
@@ -347,20 +368,18 @@ class Communicator:
         self._check_open("send")
         arr = self._input(x, "send", writable=False)
         peer = self._peer(dst, "dst", "send")
-        req = self.transport.isend(byte_view(arr), self.group[peer], self._p2p_key(tag, "send"),
-                                   dtype_code(arr.dtype))
-        self.transport.wait([req], self.timeout if timeout is None else timeout,
-                            f"send to rank {peer} tag {tag} on {self.name}")
+        key, limit = self._p2p_key(tag, "send"), self._deadline(timeout, "send")
+        req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        self.transport.wait([req], limit, f"send to rank {peer} tag {tag} on {self.name}")
 
     def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Any:
         """Receive exactly `x`'s size and dtype from rank `src` into `x`; returns `x`."""
         self._check_open("recv")
         arr = self._input(x, "recv", writable=True)
         peer = self._peer(src, "src", "recv")
-        req = self.transport.irecv(byte_view(arr), self.group[peer], self._p2p_key(tag, "recv"),
-                                   dtype_code(arr.dtype))
-        self.transport.wait([req], self.timeout if timeout is None else timeout,
-                            f"recv from rank {peer} tag {tag} on {self.name}")
+        key, limit = self._p2p_key(tag, "recv"), self._deadline(timeout, "recv")
+        req = self.transport.irecv(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        self.transport.wait([req], limit, f"recv from rank {peer} tag {tag} on {self.name}")
         return x
 
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
@@ -394,7 +413,7 @@ class Communicator:
         same = [g for g in group if hosts[g] == hosts[me]]
         membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
         return Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
-                            selector=self.selector)
+                            selector=self.selector, topology=self.topology.subset(members))
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

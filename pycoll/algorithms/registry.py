@@ -8,20 +8,25 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+from ..topology import Topology
+from ..tuner import MODELED, Tuner, info_log
 
 # collective -> algorithm -> "module:function" (resolved on first use)
 IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
-    "allreduce": {"ring": "ring:allreduce", "recursive_doubling": "recursive_doubling:allreduce",
+    "allreduce": {"ring": "hierarchical:ring_allreduce", "recursive_doubling": "recursive_doubling:allreduce",
                   "halving_doubling": "halving_doubling:allreduce",
                   "tree": "tree:allreduce_double_tree", "binomial": "tree:allreduce",
+                  "hierarchical": "hierarchical:allreduce", "flat_ring": "ring:allreduce",
                   "mpi_native": "mpi_native:allreduce"},
-    "broadcast": {"tree": "tree:broadcast", "ring": "tree:broadcast_chain",
-                  "mpi_native": "mpi_native:broadcast"},
+    "broadcast": {"tree": "tree:broadcast", "ring": "hierarchical:ring_broadcast",
+                  "hierarchical": "hierarchical:broadcast", "mpi_native": "mpi_native:broadcast"},
     "reduce": {"tree": "tree:reduce", "mpi_native": "mpi_native:reduce"},
-    "allgather": {"ring": "ring:allgather", "recursive_doubling": "recursive_doubling:allgather",
-                  "mpi_native": "mpi_native:allgather"},
-    "reduce_scatter": {"ring": "ring:reduce_scatter", "halving_doubling": "halving_doubling:reduce_scatter",
+    "allgather": {"ring": "hierarchical:ring_allgather", "recursive_doubling": "recursive_doubling:allgather",
+                  "hierarchical": "hierarchical:allgather", "mpi_native": "mpi_native:allgather"},
+    "reduce_scatter": {"ring": "hierarchical:ring_reduce_scatter",
+                       "halving_doubling": "halving_doubling:reduce_scatter",
                        "mpi_native": "mpi_native:reduce_scatter"},
     "alltoall": {"pairwise": "pairwise:alltoall", "mpi_native": "mpi_native:alltoall"},
     "alltoallv": {"pairwise": "pairwise:alltoallv", "mpi_native": "mpi_native:alltoallv"},
@@ -30,7 +35,9 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "barrier": {"dissemination": "barrier:barrier", "mpi_native": "mpi_native:barrier"},
 }
 ALGORITHM_NAMES = frozenset({"ring", "tree", "halving_doubling", "recursive_doubling", "hierarchical",
-                             "pairwise", "linear", "mpi_native", "binomial", "dissemination"})
+                             "pairwise", "linear", "mpi_native", "binomial", "dissemination", "flat_ring"})
+# chosen only when named: MPI's own collectives, and the ring in plain rank order (for comparison)
+NAMED_ONLY = frozenset({"mpi_native", "flat_ring"})
 COLLECTIVE_ALIASES = {"allgatherv": "allgather", "reducescatter": "reduce_scatter", "bcast": "broadcast"}
 
 
@@ -61,8 +68,8 @@ def parse_algo(spec: Optional[str]) -> Dict[str, FrozenSet[str]]:
                              f"(known: {sorted(ALGORITHM_NAMES)})")
         for coll in colls:
             impls = set(IMPLEMENTATIONS[coll])
-            # `^x` means every portable algorithm but x: mpi_native only ever when named
-            chosen = impls - names - {"mpi_native"} if invert else impls & names
+            # `^x` means every portable algorithm but x: NAMED_ONLY ones only ever when named
+            chosen = impls - names - NAMED_ONLY if invert else impls & names
             if chosen or explicit:
                 allowed[coll] = frozenset(chosen)
     return allowed
@@ -76,13 +83,24 @@ def resolve(collective: str, algorithm: str) -> Callable:
 
 
 class Selector:
-    """Picks an algorithm per call: PYCOLL_ALGO restricts the choice, a size rule picks among the rest."""
+    """Picks an algorithm per call: PYCOLL_ALGO restricts the choice; among the rest the tuner's cost
+    model picks the cheapest for the communicator's topology, or (no tuner) default_order's size rule."""
 
-    def __init__(self, spec: Optional[str] = None) -> None:
+    def __init__(self, spec: Optional[str] = None, tuner: Optional[Tuner] = None) -> None:
         self.spec = os.environ.get("PYCOLL_ALGO", "") if spec is None else spec
         self.allowed = parse_algo(self.spec)
+        self.tuner = tuner
+        self._memo: Dict[Tuple[Any, ...], Tuple[str, Callable]] = {}
+        self._modeled: Dict[str, List[str]] = {}  # collective -> what the tuner chooses among
+        for coll, algos in (MODELED.items() if tuner is not None else ()):
+            named = coll in self.allowed
+            allowed = self.allowed.get(coll, frozenset(IMPLEMENTATIONS[coll]))
+            modeled = [a for a in algos if a in allowed and (named or a not in NAMED_ONLY)]
+            if modeled and (not named or allowed <= set(modeled)):  # a named unmodeled one: size rule
+                self._modeled[coll] = modeled
 
-    def choose(self, collective: str, nbytes: int, size: int, algo: Optional[str] = None) -> str:
+    def choose(self, collective: str, nbytes: int, size: int, algo: Optional[str] = None,
+               topo: Optional[Topology] = None) -> str:
         """Algorithm name for one call of `collective` moving `nbytes` per rank among `size` ranks."""
         impls = IMPLEMENTATIONS[collective]
         if algo is not None:
@@ -93,10 +111,64 @@ class Selector:
         if not allowed:
             raise ValueError(f"PYCOLL_ALGO={self.spec!r} leaves no algorithm for {collective} "
                              f"(it has {sorted(impls)})")
+        modeled = self._modeled.get(collective)
+        if modeled and topo is not None and size > 1:
+            return self._decide(collective, nbytes, topo, modeled)[0]
         for name in default_order(collective, nbytes, size):
             if name in allowed:
                 return name
         return sorted(allowed)[0]
+
+    def _decide(self, collective: str, nbytes: int, topo: Topology, candidates: List[str]) -> Tuple[str, Callable]:
+        """(name, bound function), decided once per (collective, size class, host layout)."""
+        size = size_class(nbytes)
+        key = (collective, size, topo.layout)
+        hit = self._memo.get(key)
+        if hit is None:
+            assert self.tuner is not None
+            ranked = self.tuner.rank(collective, size, topo, candidates)
+            name = ranked[0][1]
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            hit = self._memo[key] = (name, self.bind(collective, name, topo))
+            info_log().info("%s of %d B on %d ranks / %d hosts: %s, predicted %.3f ms (%s)", collective, size,
+                            topo.size, topo.nhosts, name, ranked[0][0] * 1e3,
+                            ", ".join(f"{a} {t * 1e3:.3f}" for t, a in ranked[1:]))
+        return hit
+
+    def function(self, collective: str, nbytes: int, topo: Topology, algo: Optional[str] = None) -> Callable:
+        """The function to run for one call: chosen, and bound to the topology where it needs one."""
+        modeled = self._modeled.get(collective)
+        if algo is None and modeled and topo.size > 1:
+            return self._decide(collective, nbytes, topo, modeled)[1]
+        return self.bind(collective, self.choose(collective, nbytes, topo.size, algo, topo), topo)
+
+    def phase(self, collective: str, nbytes: int, topo: Topology, streams: int) -> Callable:
+        """A flat algorithm for one phase of a hierarchical one, with `streams` copies sharing each NIC."""
+        if self.tuner is not None:
+            name = self.tuner.best_phase(collective, nbytes, topo, streams)[0]
+        else:
+            name = next(a for a in default_order(collective, nbytes, topo.size)
+                        if a in IMPLEMENTATIONS[collective] and a not in NAMED_ONLY | {"hierarchical"})
+        return self.bind(collective, name, topo)
+
+    def bind(self, collective: str, algorithm: str, topo: Topology) -> Callable:
+        """resolve(), with topo= and selector= filled in for the topology-aware algorithms."""
+        fn = resolve(collective, algorithm)
+        if not IMPLEMENTATIONS[collective][algorithm].startswith("hierarchical:"):
+            return fn
+        bound = functools.partial(fn, topo=topo, selector=self)
+        bound.accepts_src = getattr(fn, "accepts_src", False)  # type: ignore[attr-defined]
+        return bound
+
+
+def size_class(nbytes: int) -> int:
+    """`nbytes` rounded up to one of four sizes per power of two: the tuner decides per class, so a
+    program with many different sizes pays for a bounded number of decisions."""
+    if nbytes <= 8:
+        return nbytes
+    step = 1 << ((nbytes - 1).bit_length() - 3)  # an eighth of the power of two at or above nbytes
+    return -(-nbytes // step) * step  # 5/8, 6/8, 7/8 or 8/8 of that power of two
 
 
 def default_order(collective: str, nbytes: int, size: int) -> List[str]:

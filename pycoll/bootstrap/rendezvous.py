@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import secrets
-import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..errors import EnvError, TimeoutError
+from ..topology import RankInfo, detect, host_id  # noqa: F401  (host_id: re-exported)
 from .env import MPI_SOURCES, JobEnv
 from .netif import select_address
 from .store import Store, TCPStore
@@ -25,21 +24,6 @@ def is_loopback(host: Optional[str]) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def host_id() -> str:
-    """hostname + boot id + network namespace: ranks with the same value share a host (NCCL's hostHash)."""
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            parts.append(fh.read().strip())
-    except OSError:
-        pass
-    try:
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
-    except OSError:
-        pass
-    return os.environ.get("PYCOLL_HOSTID") or "/".join(parts)
 
 
 def make_store(job: JobEnv, timeout: float) -> Store:
@@ -96,21 +80,24 @@ class Membership:
     hosts: List[str]      # host id of each rank
     local_rank: int
     local_size: int
+    ranks: List[RankInfo] = field(default_factory=list)  # what each rank reported (pycoll.topology)
 
 
 def join(store: Store, rank: int, size: int, timeout: float) -> Membership:
-    """Announce this rank and wait for all; TimeoutError names the ranks that never joined."""
-    me = host_id()
-    store.set(f"join/{rank}", me.encode())
+    """Announce this rank (its RankInfo) and wait for all; TimeoutError names the ranks that never joined."""
+    me = detect(rank)
+    store.set(f"join/{rank}", me.to_json().encode())
     deadline = time.monotonic() + timeout
-    hosts: List[str] = []
+    infos: List[RankInfo] = []
     for peer in range(size):
         try:
-            hosts.append(store.get(f"join/{peer}", max(0.0, deadline - time.monotonic())).decode())
+            infos.append(RankInfo.from_json(
+                store.get(f"join/{peer}", max(0.0, deadline - time.monotonic())).decode()))
         except TimeoutError:
             missing = [p for p in range(size) if not store.check([f"join/{p}"])]
             raise TimeoutError(f"rank {rank}: ranks {missing} of {size} never joined the job within "
                                f"{timeout:g} s (did they start, with the same MASTER_ADDR/MASTER_PORT?)",
                                peers=missing) from None
-    same = [p for p in range(size) if hosts[p] == me]
-    return Membership(hosts=hosts, local_rank=same.index(rank), local_size=len(same))
+    hosts = [info.host for info in infos]
+    same = [p for p in range(size) if hosts[p] == me.host]
+    return Membership(hosts=hosts, local_rank=same.index(rank), local_size=len(same), ranks=infos)

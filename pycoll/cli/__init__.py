@@ -8,6 +8,7 @@ from typing import List, Optional
 _COMMANDS = {
     "run": ("pycoll.cli.run", "start N local ranks of a script with the torchrun variables set"),
     "bench": ("pycoll.cli.bench", "nccl-tests-style benchmark, optionally beside Open MPI and Gloo"),
+    "info": ("pycoll.cli.info", "topology (like nvidia-smi topo -m) and the tuner's table"),
 }
 
 

@@ -1,0 +1,520 @@
+"""The tuner: an alpha-beta cost model per (collective, algorithm, link class), NCCL tuning.cc style,
+fed by a short calibration probe at init; the Selector asks it for the cheapest algorithm per call.
+
+Each algorithm is described by its communication pattern on the communicator's topology: a list of
+rounds, each with a count of back-to-back messages and the (src, dst, bytes) transfers it makes.
+
+    round time = messages * alpha(link) + max(NIC time, shm time) + reduced bytes * gamma
+    NIC time   = max over hosts of max(bytes out, bytes in) across hosts * beta(net) * streams
+    shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
+
+A round uses the net alpha when any of its transfers crosses hosts; `streams` is how many copies of
+the pattern share each NIC (the parallel inter-host phase of the hierarchical algorithms). So a ring
+in plain rank order over interleaved hosts pays for every rank's stream on the NIC, a host-ordered
+ring for one, and the hierarchical allreduce for 2(H-1)/H * S bytes per host.
+
+Calibration (PYCOLL_TUNER=probe, the default): one pair of ranks per link class ping-pongs small and
+1 MiB messages; every rank times numpy reductions; an allgather gives all ranks the same numbers, so
+all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
+(default ~/.cache/pycoll/tuner, `off` disables) for a day. PYCOLL_TUNER=model uses built-in
+constants (and PYCOLL_TOPO_FILE "links"), =static the size rules of registry.default_order; setting
+PYCOLL_ALGO skips the probe.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .algorithms.recursive_doubling import Fold, allgather
+from .algorithms.ring import SEGMENT_BYTES as RING_SEGMENT, segments_per_block
+from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, _btree
+from .channel import Channel
+from .errors import EnvError
+from .topology import NET, SHM, Topology, load_topo_file
+
+log = logging.getLogger("pycoll.tuner")
+_log_ready = False  # the PYCOLL_DEBUG=INFO handler is attached
+MODES = ("probe", "model", "static")
+CACHE_TTL = 24 * 3600.0
+PROBE_BIG = 1 << 20
+PROBE_SMALL_REPS, PROBE_BIG_REPS = 8, 3
+BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: alpha seconds per message, beta seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def describe(self) -> str:
+        """'12.0 us + 10 Gbit/s'."""
+        return f"{self.alpha * 1e6:.1f} us + {8e-9 / self.beta:.3g} Gbit/s"
+
+
+@dataclass(frozen=True)
+class Params:
+    """The model's inputs: shm and net links, gamma (seconds per reduced byte), where they came from."""
+
+    shm: Link
+    net: Link
+    gamma: float
+    source: str = "default"
+
+    def link(self, cls: str) -> Link:
+        """The Link of class `cls` (shm or net)."""
+        return self.shm if cls == SHM else self.net
+
+    def row(self) -> np.ndarray:
+        """alpha/beta of shm and net, then gamma: what the calibration allgathers."""
+        return np.array([self.shm.alpha, self.shm.beta, self.net.alpha, self.net.beta, self.gamma])
+
+    @classmethod
+    def from_row(cls, row: Sequence[float], source: str) -> "Params":
+        """The inverse of row()."""
+        a, b, c, d, e = (float(v) for v in row)
+        return cls(Link(a, b), Link(c, d), e, source)
+
+
+# Python-level constants measured on loopback/shm here; net defaults to 10 Gbit/s or the NIC speed
+DEFAULT = Params(shm=Link(40e-6, 1 / 1.5e9), net=Link(120e-6, 8 / 10e9), gamma=1 / 4e9)
+COLUMNS = {SHM: (0, 1), NET: (2, 3)}
+
+
+class Round(NamedTuple):
+    """`msgs` messages back to back, moving `pairs` (src, dst, bytes), reducing `reduce` bytes per rank;
+    `duplex=False` when a host's sends and receives do not overlap (they add up on its NIC)."""
+
+    msgs: int
+    pairs: List[Tuple[int, int, float]]
+    reduce: float = 0.0
+    duplex: bool = True
+
+
+# -- communication patterns, one per (collective, algorithm) ----------------------------------------
+def _ring(order: Sequence[int], steps: int, per_edge: float, block: float, reduce: float) -> List[Round]:
+    """A pipelined ring over `order`: `steps` steps of `block` bytes, `per_edge` bytes per edge in all."""
+    n = len(order)
+    msgs = steps * segments_per_block(int(math.ceil(block)))
+    return [Round(msgs, [(order[i], order[(i + 1) % n], per_edge) for i in range(n)], reduce)]
+
+
+def ring_pattern(collective: str, nbytes: float, order: Sequence[int], root: int = 0) -> List[Round]:
+    """The ring algorithms over `order` (nbytes is what the Communicator passes for the collective)."""
+    n = len(order)
+    block = nbytes / n
+    if collective == "allreduce":
+        return _ring(order, 2 * (n - 1), 2 * (n - 1) * block, block, (n - 1) * block)
+    if collective == "reduce_scatter":
+        return _ring(order, n - 1, (n - 1) * block, block, (n - 1) * block)
+    if collective == "allgather":
+        return _ring(order, n - 1, (n - 1) * block, block, 0.0)
+    start = list(order).index(root)  # broadcast: a chain from the root along the ring
+    chain = [order[(start + i) % n] for i in range(n)]
+    segs = max(1, math.ceil(nbytes / TREE_SEGMENT))
+    return [Round(n - 2 + segs, [(a, b, nbytes) for a, b in zip(chain, chain[1:])])]
+
+
+def _fold(n: int, nbytes: float, back: bool, reduce: bool) -> List[Round]:
+    rem = Fold.of(n).rem
+    if not rem:
+        return []
+    pairs = [(2 * i + 1, 2 * i, nbytes) if back else (2 * i, 2 * i + 1, nbytes) for i in range(rem)]
+    return [Round(1, pairs, nbytes if reduce else 0.0)]
+
+
+def _exchange(fold: Fold, mask: int, nbytes: float, msgs: int = 1, reduce: float = 0.0) -> Round:
+    """Every survivor swaps `nbytes` with the survivor `mask` away."""
+    return Round(msgs, [(fold.real(me), fold.real(me ^ mask), nbytes) for me in range(fold.p2)], reduce)
+
+
+def _masks(p2: int) -> List[int]:
+    """1, 2, 4, ... below p2."""
+    return [1 << k for k in range(p2.bit_length() - 1)]
+
+
+def doubling_pattern(collective: str, nbytes: float, n: int, halving: bool) -> List[Round]:
+    """Recursive doubling (halving=False) or Rabenseifner (halving=True), MPI's fold included."""
+    fold = Fold.of(n)
+    if collective == "allgather":  # recursive doubling for powers of two, else Bruck
+        block = nbytes / n
+        if fold.rem == 0:
+            return [_exchange(fold, m, m * block) for m in _masks(n)]
+        out, dist = [], 1
+        while dist < n:
+            out.append(Round(1, [(r, (r - dist) % n, min(dist, n - dist) * block) for r in range(n)]))
+            dist *= 2
+        return out
+    if not halving:
+        rounds = [_exchange(fold, m, nbytes, 1, nbytes) for m in _masks(fold.p2)]
+    else:  # halving: step m moves m/p2 of the data, in segments of at most RING_SEGMENT bytes
+        def step(m: int, reduce: bool) -> Round:
+            part = nbytes * m / fold.p2
+            return _exchange(fold, m, part, max(1, math.ceil(part / RING_SEGMENT)), part if reduce else 0.0)
+        rounds = [step(m, True) for m in reversed(_masks(fold.p2))]
+        if collective != "reduce_scatter":
+            rounds += [step(m, False) for m in _masks(fold.p2)]
+    tail = nbytes / n if collective == "reduce_scatter" else nbytes
+    return _fold(n, nbytes, False, True) + rounds + _fold(n, tail, True, False)
+
+
+def binomial_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> List[Round]:
+    """Binomial broadcast (one round per tree level), reduce (the levels reversed), or both."""
+    def parent(v: int) -> int:
+        return v & (v - 1)
+    levels: Dict[int, List[Tuple[int, int, float]]] = {}
+    for v in range(1, n):
+        levels.setdefault(bin(v).count("1"), []).append(((parent(v) + root) % n, (v + root) % n, nbytes))
+    down = [Round(1, levels[d]) for d in sorted(levels)]
+    up = [Round(1, [(b, a, x) for a, b, x in r.pairs], nbytes) for r in reversed(down)]
+    return {"broadcast": down, "reduce": up}.get(collective, up + down)
+
+
+def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
+    """NCCL's double binary tree, pipelined: each tree moves half the data up and back down
+    (tree 2 mirrors tree 1 for even n and shifts it by one for odd n, as tree._double_tree does).
+    Each rank waits on one lane's messages before posting the other lane's, so a host's traffic in
+    and out does not overlap: not duplex (measured: within 15% of that on the emulated cluster)."""
+    to = (lambda x: n - 1 - x) if n % 2 == 0 else (lambda x: (x - 1) % n)
+    back = (lambda x: n - 1 - x) if n % 2 == 0 else (lambda x: (x + 1) % n)
+    up: List[Tuple[int, int, float]] = []
+    for r in range(n):
+        second = _btree(to(r), n)[0]
+        for parent in (_btree(r, n)[0], None if second is None else back(second)):
+            if parent is not None:
+                up.append((r, parent, nbytes / 2))
+    depth = max(1, (n - 1).bit_length())
+    return [Round(2 * depth + 2 * max(1, math.ceil(nbytes / 2 / TREE_SEGMENT)),
+                  up + [(p, c, b) for c, p, b in up], nbytes, duplex=False)]
+
+
+# -- the model -------------------------------------------------------------------------------------
+MODELED: Dict[str, Tuple[str, ...]] = {
+    "allreduce": ("ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
+                  "hierarchical"),
+    "broadcast": ("tree", "ring", "hierarchical"),
+    "allgather": ("ring", "recursive_doubling", "hierarchical"),
+    "reduce_scatter": ("ring", "halving_doubling"),
+    "reduce": ("tree",),
+}
+FLAT = ("flat_ring", "hierarchical")  # never chosen for a phase of a hierarchical algorithm
+
+
+def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1) -> float:
+    """Seconds one round takes on ranks placed on hosts `host_of`."""
+    nic_out: Dict[int, float] = {}
+    nic_in: Dict[int, float] = {}
+    mem_out: Dict[int, float] = {}
+    mem_in: Dict[int, float] = {}
+    for src, dst, nbytes in rnd.pairs:
+        hs, hd = host_of[src], host_of[dst]
+        if hs != hd:
+            nic_out[hs] = nic_out.get(hs, 0.0) + nbytes
+            nic_in[hd] = nic_in.get(hd, 0.0) + nbytes
+        else:
+            mem_out[src] = mem_out.get(src, 0.0) + nbytes
+            mem_in[dst] = mem_in.get(dst, 0.0) + nbytes
+    link = params.net if nic_out else params.shm
+    if rnd.duplex:
+        nic_bytes = max(max(nic_out.values(), default=0.0), max(nic_in.values(), default=0.0))
+    else:
+        nic_bytes = max((nic_out.get(h, 0.0) + nic_in.get(h, 0.0) for h in set(nic_out) | set(nic_in)), default=0.0)
+    nic = nic_bytes * params.net.beta
+    mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
+    return rnd.msgs * link.alpha + max(nic * streams, mem) + rnd.reduce * params.gamma
+
+
+class Tuner:
+    """Predicts the time of every modeled algorithm and picks the cheapest."""
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+    def pattern(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> List[Round]:
+        """The rounds of one flat (non-hierarchical) algorithm."""
+        n = topo.size
+        if algorithm in ("ring", "flat_ring"):
+            order = topo.ring_order() if algorithm == "ring" else list(range(n))
+            return ring_pattern(collective, nbytes, order)
+        if algorithm in ("recursive_doubling", "halving_doubling"):
+            return doubling_pattern(collective, nbytes, n, algorithm == "halving_doubling")
+        if algorithm == "tree" and collective == "allreduce":
+            return double_tree_pattern(nbytes, n)
+        if algorithm in ("tree", "binomial"):
+            return binomial_pattern(collective, nbytes, n)
+        raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
+
+    def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,
+                streams: int = 1) -> float:
+        """Predicted seconds for one call moving `nbytes` (as the Communicator counts them)."""
+        if topo.size == 1:
+            return 0.0
+        if algorithm == "hierarchical":
+            return self._hierarchical(collective, nbytes, topo)
+        return sum(round_time(r, topo.host_of, self.params, streams)
+                   for r in self.pattern(collective, algorithm, nbytes, topo))
+
+    def rank(self, collective: str, nbytes: float, topo: Topology, candidates: Iterable[str],
+             streams: int = 1) -> List[Tuple[float, str]]:
+        """(predicted seconds, algorithm), cheapest first; ties go to the earlier candidate."""
+        cands = list(candidates)
+        timed = [(self.predict(collective, a, nbytes, topo, streams), i, a) for i, a in enumerate(cands)]
+        return [(t, a) for t, _, a in sorted(timed)]
+
+    def best_phase(self, collective: str, nbytes: float, topo: Topology, streams: int) -> Tuple[str, float]:
+        """The cheapest flat algorithm for one phase of a hierarchical algorithm."""
+        t, name = self.rank(collective, nbytes, topo, [a for a in MODELED[collective] if a not in FLAT],
+                            streams)[0]
+        return name, t
+
+    def _hierarchical(self, collective: str, nbytes: float, topo: Topology) -> float:
+        """Phase by phase, as algorithms/hierarchical.py runs them (see there)."""
+        H, L = topo.nhosts, topo.per_host
+        if H == 1:
+            return self.predict(collective, "ring", nbytes, topo)
+        local = Topology.from_hosts([0] * L)
+        cross = Topology.from_hosts(range(H))
+        if L == 1:
+            return self.best_phase(collective, nbytes, cross, 1)[1]
+        if topo.uniform:
+            shard = nbytes / L
+            inter = self.best_phase(collective, shard, cross, L)[1]
+            if collective == "allreduce":
+                return (self.predict("reduce_scatter", "ring", nbytes, local) + inter
+                        + self.predict("allgather", "ring", nbytes, local))
+            if collective == "broadcast":
+                scatter = Round(1, [(0, k, shard) for k in range(1, L)])
+                return round_time(scatter, local.host_of, self.params) + inter + \
+                    self.predict("allgather", "ring", nbytes, local)
+            return inter + self.predict("allgather", "ring", nbytes, local) + nbytes * self.params.shm.beta
+        inter = self.best_phase(collective, nbytes, cross, 1)[1]
+        bcast = sum(round_time(r, local.host_of, self.params) for r in binomial_pattern("broadcast", nbytes, L))
+        if collective == "allreduce":
+            reduce = sum(round_time(r, local.host_of, self.params) for r in binomial_pattern("reduce", nbytes, L))
+            return reduce + inter + bcast
+        if collective == "broadcast":
+            return inter + bcast
+        gather = round_time(Round(1, [(k, 0, nbytes / topo.size) for k in range(1, L)]), local.host_of,
+                            self.params)
+        return gather + inter + bcast + nbytes * self.params.shm.beta
+
+    def table(self, topo: Topology, sizes: Sequence[int], collectives: Sequence[str] = tuple(MODELED),
+              choose: Optional[Callable[[str, int], str]] = None) -> str:
+        """Predicted time of every modeled algorithm per size; `*` marks what `choose` (or the model) picks."""
+        head = f"{'collective':<15}{'algorithm':<20}" + "".join(f"{_size(s):>10}" for s in sizes)
+        lines = [f"tuner ({self.params.source}): shm {self.params.shm.describe()}, "
+                 f"net {self.params.net.describe()}, reduce {1e-9 / self.params.gamma:.3g} GB/s; "
+                 f"{topo.size} ranks on {topo.nhosts} hosts", head]
+        for coll in collectives:
+            algos = MODELED[coll]
+            picks = [choose(coll, s) if choose else self.rank(coll, s, topo, algos)[0][1] for s in sizes]
+            for algo in algos:
+                cells = "".join(f"{_time(self.predict(coll, algo, s, topo)) + ('*' if p == algo else ' '):>10}"
+                                for s, p in zip(sizes, picks))
+                lines.append(f"{coll:<15}{algo:<20}{cells}")
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _time(t: float) -> str:
+    return f"{t * 1e6:.0f}us" if t < 1e-3 else f"{t * 1e3:.1f}ms" if t < 1 else f"{t:.2f}s"
+
+
+# -- parameters: defaults, PYCOLL_TOPO_FILE, cache, probe ---------------------------------------------
+def mode() -> str:
+    """PYCOLL_TUNER: probe (default), model or static; EnvError for anything else."""
+    value = os.environ.get("PYCOLL_TUNER", "probe").strip().lower() or "probe"
+    if value not in MODES:
+        raise EnvError(f"PYCOLL_TUNER={value!r} must be one of {list(MODES)}")
+    return value
+
+
+def info_log() -> logging.Logger:
+    """The tuner's logger, printing to stderr when PYCOLL_DEBUG is INFO or TRACE."""
+    global _log_ready
+    if not _log_ready and os.environ.get("PYCOLL_DEBUG", "").upper() in ("INFO", "TRACE"):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("pycoll INFO %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        _log_ready = True
+    return log
+
+
+def file_links(topo_file: Optional[Dict] = None) -> Dict[str, Link]:
+    """Link parameters declared in PYCOLL_TOPO_FILE's "links" ({"net": {"latency_us", "gbit"}})."""
+    spec = load_topo_file() if topo_file is None else topo_file
+    out = {}
+    for cls, d in spec.get("links", {}).items():
+        if cls not in (SHM, NET) or not isinstance(d, dict) or not {"latency_us", "gbit"} <= set(d):
+            raise EnvError(f"PYCOLL_TOPO_FILE links: {cls!r} must be 'shm' or 'net' with latency_us and gbit")
+        out[cls] = Link(float(d["latency_us"]) * 1e-6, 8e-9 / float(d["gbit"]))
+    return out
+
+
+def base_params(topo: Topology) -> Params:
+    """DEFAULT, with the net beta from the slowest NIC speed and any links PYCOLL_TOPO_FILE declares."""
+    params = DEFAULT
+    speed = topo.net_speed()
+    if speed:
+        params = replace(params, net=Link(params.net.alpha, 8 / (speed * 1e6)))
+    links = file_links()
+    if links:
+        params = replace(params, shm=links.get(SHM, params.shm), net=links.get(NET, params.net), source="file")
+    return params
+
+
+def cache_dir() -> Optional[str]:
+    """PYCOLL_TUNER_CACHE (default ~/.cache/pycoll/tuner); None when it is off."""
+    path = os.environ.get("PYCOLL_TUNER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pycoll", "tuner"))
+    return None if path.lower() in ("", "0", "off", "none") else path
+
+
+def _cache_file(key: str) -> Optional[str]:
+    root = cache_dir()
+    return None if root is None else os.path.join(root, hashlib.sha1(key.encode()).hexdigest() + ".json")
+
+
+def cache_get(key: str) -> Optional[Link]:
+    """A cached link measurement younger than CACHE_TTL, else None."""
+    path = _cache_file(key)
+    try:
+        with open(path) as fh:  # type: ignore[arg-type]
+            d = json.load(fh)
+        if d["key"] == key and time.time() - d["time"] < CACHE_TTL:
+            return Link(float(d["alpha"]), float(d["beta"]))
+    except (OSError, TypeError, ValueError, KeyError):
+        pass
+    return None
+
+
+def cache_put(key: str, link: Link) -> None:
+    """Store a measurement (atomically; a cache that cannot be written is skipped)."""
+    path = _cache_file(key)
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"key": key, "alpha": link.alpha, "beta": link.beta, "time": time.time()}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def probe_pairs(topo: Topology) -> Dict[str, Tuple[int, int]]:
+    """The ranks that measure each link class: two ranks of the first host with two, and the first
+    ranks of the first two hosts."""
+    pairs = {}
+    shared = next((m for m in topo.members if len(m) > 1), None)
+    if shared:
+        pairs[SHM] = (shared[0], shared[1])
+    if topo.nhosts > 1:
+        pairs[NET] = (topo.members[0][0], topo.members[1][0])
+    return pairs
+
+
+def measure_gamma() -> float:
+    """Seconds per byte of a float32 numpy reduction (best of a few 256 KiB adds)."""
+    a = np.ones(1 << 16, np.float32)
+    b = np.ones_like(a)
+    best = math.inf
+    for _ in range(4):
+        t = time.perf_counter()
+        np.add(a, b, out=a)
+        best = min(best, time.perf_counter() - t)
+    return max(best / a.nbytes, 1e-12)
+
+
+def ping_pong(ch: Channel, me: int, peer: int, tag: int) -> Optional[Link]:
+    """Measure the link to `peer`: the lower rank of the pair times, the other echoes. alpha is half
+    the best 8-byte round trip, beta what a 1 MiB message adds to the best one (at most BETA_FLOOR's
+    rate: on a busy machine the difference of two minima can come out near zero)."""
+    small, big = np.zeros(1, np.float64), np.zeros(PROBE_BIG // 8, np.float64)
+    lead = me < peer
+    best = {id(small): math.inf, id(big): math.inf}
+    plan = [small] * (PROBE_SMALL_REPS + 1) + [big] * (PROBE_BIG_REPS + 1)  # the first of each warms up
+    for i, payload in enumerate(plan):
+        t = time.perf_counter()
+        if lead:
+            ch.wait(ch.isend(payload, peer, tag + i))
+            ch.wait(ch.irecv(small, peer, tag + i))
+        else:
+            ch.wait(ch.irecv(payload, peer, tag + i))
+            ch.wait(ch.isend(small, peer, tag + i))
+        if i and plan[i - 1] is payload:
+            best[id(payload)] = min(best[id(payload)], time.perf_counter() - t)
+    if not lead:
+        return None
+    rtt = best[id(small)]
+    return Link(rtt / 2, max((best[id(big)] - rtt) / big.nbytes, BETA_FLOOR))
+
+
+def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology, transport: str,
+              base: Params) -> Params:
+    """Agree on Params across all ranks: cached or PYCOLL_TOPO_FILE values where present, probed
+    where not. `make_channel(seq)` gives a Channel on the tuner's own communicator id."""
+    pairs = probe_pairs(topo)
+    declared = file_links()
+    keys = {cls: f"{transport}|{cls}|{topo.ranks[a].host}|{topo.ranks[b].host}" for cls, (a, b) in pairs.items()}
+    mine = np.full(5, np.nan)
+    mine[4] = measure_gamma()
+    for cls, (a, _) in pairs.items():
+        link = declared.get(cls) or (cache_get(keys[cls]) if rank == a else None)
+        if link is not None:
+            mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
+    table = np.empty((topo.size, 5))
+    allgather(make_channel(1), mine, table.reshape(-1), None)
+    missing = [cls for cls in pairs if np.isnan(table[:, COLUMNS[cls][0]]).all()]
+    source = "probe" if missing else ("file" if declared else "cache")
+    if missing:
+        ch = make_channel(2)
+        for k, cls in enumerate(missing):
+            a, b = pairs[cls]
+            if rank in (a, b):
+                link = ping_pong(ch, rank, b if rank == a else a, 100 * k)
+                if link is not None:
+                    cache_put(keys[cls], link)
+                    mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
+        allgather(make_channel(3), mine, table.reshape(-1), None)
+    row = base.row()
+    for col in range(5):
+        got = table[:, col][~np.isnan(table[:, col])]
+        if got.size:
+            row[col] = float(got.max())
+    return Params.from_row(row, source)
+
+
+def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
+                     transport: str) -> Optional[Tuner]:
+    """The world communicator's tuner: None (static rules) under PYCOLL_TUNER=static; else the model,
+    calibrated at init unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
+    how = mode()
+    if how == "static":
+        return None
+    params = base_params(topo)
+    if how == "probe" and topo.size > 1 and not os.environ.get("PYCOLL_ALGO"):
+        t = time.perf_counter()
+        params = calibrate(make_channel, rank, topo, transport, params)
+        info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,
+                        (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
+                        params.net.describe())
+    return Tuner(params)

@@ -1,0 +1,347 @@
+"""Emulated multi-host clusters: one network namespace per "host", each joined by a veth pair to a
+bridge in the root namespace, each host's link rate-limited both ways with `tc ... tbf`.
+
+    with Cluster(hosts=2, rate_mbit=200) as c:
+        c.link_rate(0, 1)                                 # bytes/s of a raw TCP stream, measured
+        c.run("test_mod:fn", placement=[0, 1, 0, 1])      # fn(comm) on 4 ranks, rank i in host i % 2
+
+Names carry this process's pid and a counter (namespaces `pyc-<pid>-<k>-h<i>`, interfaces
+`pcb<pid36>-<k>` / `pcv<pid36>-<k>h<i>`), so parallel pytest-xdist workers never collide; the subnet
+is picked under a lock among the 10.200-249.x.0/24 not in use. Everything is removed on exit, also
+when the body raises, and leftovers of dead processes are swept on the next start. Ranks run as
+`ip netns exec NS python netns_cluster.py worker MODULE:FN ...` with the rendezvous store served
+by this process on the bridge address.
+
+Run as `python tests/netns_cluster.py sweep` to remove what crashed runs left behind.
+"""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import importlib
+import ipaddress
+import itertools
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Sequence
+
+_COUNTER = itertools.count()
+_LOCK = "/tmp/pycoll-netns.lock"
+_NS_PREFIX = "pyc-"
+
+
+class ClusterError(RuntimeError):
+    """Setting up the emulated cluster failed, or a rank in it failed; the message says which."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+        if not n:
+            return out
+
+
+def unavailable() -> Optional[str]:
+    """Why namespaces cannot be built here (not root, no ip/tc), or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, veth, tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    return f"missing {missing}" if missing else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def sweep_stale() -> List[str]:
+    """Delete namespaces and bridges made by processes that no longer run; returns what was removed."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if name.startswith(_NS_PREFIX) and len(parts) >= 2 and parts[1].isdigit() and not _alive(int(parts[1])):
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith("pcb") and "-" in name:
+            try:
+                pid = int(name[3:name.index("-")], 36)
+            except ValueError:
+                continue
+            if not _alive(pid):
+                _ip("link", "del", name, check=False)
+                removed.append(name)
+    return removed
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    used = [ipaddress.ip_interface(tok).network for line in _ip("-4", "-o", "addr", "show").stdout.splitlines()
+            for tok in line.split() if "/" in tok and tok[0].isdigit()]
+    for second in range(200, 250):
+        for third in range(256):
+            net = ipaddress.ip_network(f"10.{second}.{third}.0/24")
+            if not any(net.overlaps(u) for u in used):
+                return net
+    raise ClusterError("no free 10.200-249.x.0/24 subnet for the emulated cluster")
+
+
+class Cluster:
+    """`hosts` namespaces on one bridge; with `rate_mbit`, each host's link is a tbf of that rate."""
+
+    def __init__(self, hosts: int, rate_mbit: Optional[float] = None, burst_kib: int = 256,
+                 latency_ms: float = float(os.environ.get("PYCOLL_TBF_LATENCY_MS", 20)),
+                 sysctls: Optional[Dict[str, str]] = None) -> None:
+        if hosts < 1:
+            raise ValueError(f"a cluster needs at least one host, got {hosts}")
+        self.nhosts, self.rate_mbit, self.burst_kib, self.latency_ms = hosts, rate_mbit, burst_kib, latency_ms
+        self.sysctls = dict(sysctls or {})  # per-namespace, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
+        k = next(_COUNTER)
+        tag = f"{_b36(os.getpid())}-{_b36(k)}"
+        self.bridge = f"pcb{tag}"
+        self.namespaces = [f"{_NS_PREFIX}{os.getpid()}-{k}-h{i}" for i in range(hosts)]
+        self.veths = [f"pcv{tag}h{i}" for i in range(hosts)]
+        self.addresses: List[str] = []
+        self.gateway = ""
+        self.workdir = tempfile.mkdtemp(prefix="pycoll-cluster-")
+        self._procs: List[subprocess.Popen] = []
+        self._built = False
+
+    # -- lifetime ------------------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        reason = unavailable()
+        if reason:
+            raise ClusterError(f"cannot build an emulated cluster: {reason}")
+        sweep_stale()
+        atexit.register(self.close)
+        self._built = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        with open(_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # subnet choice and address assignment, one cluster at a time
+            net = _free_subnet()
+            hosts = list(net.hosts())
+            self.gateway = str(hosts[0])
+            self.addresses = [str(hosts[i + 1]) for i in range(self.nhosts)]
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/{net.prefixlen}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for ns, veth, addr in zip(self.namespaces, self.veths, self.addresses):
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge)
+            _ip("link", "set", veth, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/{net.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            for key, value in self.sysctls.items():
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"], check=True,
+                               capture_output=True)
+            if self.rate_mbit:
+                self._shape(["tc"], veth)                                 # into the host
+                self._shape(["ip", "netns", "exec", ns, "tc"], "eth0")    # out of the host
+
+    def _shape(self, tc: List[str], dev: str) -> None:
+        cmd = tc + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
+                    "burst", f"{self.burst_kib}kb", "latency", f"{self.latency_ms:g}ms"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise ClusterError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+    def close(self) -> None:
+        """Kill what runs in the namespaces, delete them and the bridge (idempotent)."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self._procs.clear()
+        if self._built:
+            for ns in self.namespaces:
+                pids = _ip("netns", "pids", ns, check=False).stdout.split()
+                for pid in pids:  # anything our ranks left running inside our namespace
+                    try:
+                        os.kill(int(pid), 9)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                _ip("netns", "del", ns, check=False)
+            _ip("link", "del", self.bridge, check=False)
+            self._built = False
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        atexit.unregister(self.close)
+
+    def exists(self) -> bool:
+        """True while any of this cluster's namespaces or its bridge exists."""
+        names = _ip("netns", "list", check=False).stdout
+        return any(ns in names.split() for ns in self.namespaces) or \
+            _ip("link", "show", self.bridge, check=False).returncode == 0
+
+    # -- processes -----------------------------------------------------------------------------------
+    def popen(self, host: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
+              log: Optional[str] = None) -> subprocess.Popen:
+        """Start `argv` inside host `host`'s namespace (killed at close)."""
+        out = open(log, "w") if log else subprocess.DEVNULL
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *argv], env=env,
+                                stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+        if log:
+            out.close()
+        self._procs.append(proc)
+        return proc
+
+    def link_rate(self, src: int, dst: int, nbytes: int = 16 << 20, timeout: float = 60.0) -> float:
+        """Bytes per second of one raw TCP stream from host `src` to host `dst`, timed at the receiver
+        from the first byte to the last."""
+        result = os.path.join(self.workdir, f"rate-{src}-{dst}.json")
+        port = 20000 + secrets.randbelow(20000)
+        sink = self.popen(dst, [sys.executable, __file__, "sink", self.addresses[dst], str(port), result])
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(result + ".ready"):
+            if sink.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"link_rate: the receiver in host {dst} did not start")
+            time.sleep(0.02)
+        source = self.popen(src, [sys.executable, __file__, "source", self.addresses[dst], str(port), str(nbytes)])
+        for p in (source, sink):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"link_rate {src}->{dst}: no result within {timeout:g} s") from None
+        with open(result) as fh:
+            got = json.load(fh)
+        return got["bytes"] / got["seconds"]
+
+    def run(self, target: str, placement: Sequence[int], args: Sequence[Any] = (),
+            env: Optional[Dict[str, str]] = None, timeout: float = 120.0) -> List[Any]:
+        """Run MODULE:FN(comm, *args) on len(placement) ranks, rank r in host placement[r]; the
+        JSON-able results in rank order. ClusterError with every failing rank's output otherwise."""
+        from pycoll.bootstrap.store import TCPStoreServer
+
+        n = len(placement)
+        token = secrets.token_bytes(16)
+        server = TCPStoreServer(self.gateway, 0, token)
+        procs, results, logs = [], [], []
+        try:
+            for r, host in enumerate(placement):
+                same = [q for q in range(n) if placement[q] == host]
+                rank_env = dict(os.environ, **(env or {}), RANK=str(r), WORLD_SIZE=str(n),
+                                LOCAL_RANK=str(same.index(r)), LOCAL_WORLD_SIZE=str(len(same)),
+                                MASTER_ADDR=self.gateway, MASTER_PORT=str(server.port),
+                                PYCOLL_STORE_HOSTED="1", PYCOLL_JOB_TOKEN=token.hex())
+                results.append(os.path.join(self.workdir, f"rank{r}-{secrets.token_hex(4)}.json"))
+                logs.append(results[-1] + ".log")
+                procs.append(self.popen(host, [sys.executable, __file__, "worker", target, json.dumps(list(args)),
+                                               results[-1]], rank_env, logs[-1]))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(1.0)  # let the others report their side, then stop them
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            server.close()
+        values, stories = [], []
+        for r, (p, path, log) in enumerate(zip(procs, results, logs)):
+            try:
+                with open(path) as fh:
+                    got = json.load(fh)
+            except (OSError, ValueError):
+                got = {"ok": False, "error": f"no result (exit code {p.returncode}, killed after {timeout:g} s?)"}
+            if not got["ok"]:
+                with open(log) as fh:
+                    stories.append(f"--- rank {r} (host {placement[r]}) ---\n{got['error']}\n{fh.read()[-3000:]}")
+            values.append(got.get("value"))
+        if stories:
+            raise ClusterError(f"{len(stories)} rank(s) failed in the emulated cluster\n" + "\n".join(stories))
+        return values
+
+
+# -- what runs inside the namespaces ------------------------------------------------------------------
+def _worker(target: str, args: str, out: str) -> None:
+    try:
+        module, _, name = target.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        import pycoll
+        with pycoll.init() as comm:
+            result = {"ok": True, "value": fn(comm, *json.loads(args))}
+    except BaseException:
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(out + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(out + ".tmp", out)
+
+
+def _sink(addr: str, port: str, out: str) -> None:
+    import socket
+    srv = socket.create_server((addr, int(port)))
+    open(out + ".ready", "w").close()
+    conn, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    total, first, last = 0, None, 0.0
+    while True:
+        k = conn.recv_into(buf)
+        if not k:
+            break
+        now = time.perf_counter()
+        if first is None:
+            first, k = now, 0  # time from the first chunk's arrival: count what comes after it
+        total, last = total + k, now
+    with open(out, "w") as fh:
+        json.dump({"bytes": total, "seconds": max(last - (first or last), 1e-9)}, fh)
+
+
+def _source(addr: str, port: str, nbytes: str) -> None:
+    import socket
+    data = bytes(1 << 20)
+    with socket.create_connection((addr, int(port))) as s:
+        left = int(nbytes)
+        while left > 0:
+            s.sendall(data[:min(left, len(data))])
+            left -= len(data)
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd == "worker":
+        _worker(*sys.argv[2:5])
+    elif cmd == "sink":
+        _sink(*sys.argv[2:5])
+    elif cmd == "source":
+        _source(*sys.argv[2:5])
+    elif cmd == "sweep":
+        print("\n".join(sweep_stale()) or "nothing to remove")
+    else:
+        sys.exit("usage: netns_cluster.py sweep | worker MODULE:FN ARGS OUT | sink ADDR PORT OUT | source ADDR PORT N")

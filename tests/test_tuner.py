@@ -1,0 +1,187 @@
+"""The tuner: cost-model arithmetic, choices on one host and across hosts, Selector semantics
+(PYCOLL_ALGO, algo=, static mode), the calibration probe and its cache, PYCOLL_DEBUG=INFO."""
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from multiproc import run_ranks
+from pycoll import tuner
+from pycoll.algorithms.registry import NAMED_ONLY, Selector, default_order, parse_algo
+from pycoll.errors import EnvError
+from pycoll.topology import Topology
+from pycoll.tuner import DEFAULT, MODELED, Link, Params, Tuner
+
+MIB = 1 << 20
+S = 64 * MIB
+BETA = 1 / 25e6  # 200 Mbit/s
+BANDWIDTH_ONLY = Tuner(Params(shm=Link(0.0, 0.0), net=Link(0.0, BETA), gamma=0.0))
+
+
+def interleaved(hosts, per_host):
+    return Topology.from_hosts([r % hosts for r in range(hosts * per_host)])
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (4, 2), (2, 4), (3, 2)])
+def test_nic_bytes_per_algorithm(hosts, per_host):
+    """With only the network costing anything the model is NIC bytes per host * beta."""
+    topo, n = interleaved(hosts, per_host), hosts * per_host
+    predict = lambda algo: BANDWIDTH_ONLY.predict("allreduce", algo, S, topo) / BETA  # noqa: E731
+    ring = 2 * (n - 1) / n * S
+    assert math.isclose(predict("ring"), ring)                     # one stream leaves each host
+    assert math.isclose(predict("flat_ring"), per_host * ring)     # every rank's stream does
+    assert math.isclose(predict("hierarchical"), 2 * (hosts - 1) / hosts * S)  # the link-rate bound
+
+
+def test_broadcast_and_allgather_hierarchical_bounds():
+    topo = interleaved(2, 2)
+    assert math.isclose(BANDWIDTH_ONLY.predict("broadcast", "hierarchical", S, topo) / BETA, S)  # all of it in
+    assert math.isclose(BANDWIDTH_ONLY.predict("allgather", "hierarchical", S, topo) / BETA, S / 2)
+    assert math.isclose(BANDWIDTH_ONLY.predict("allgather", "ring", S, topo) / BETA, 3 / 4 * S)
+
+
+def test_latency_counts_messages():
+    t = Tuner(Params(shm=Link(1e-5, 0.0), net=Link(1e-4, 0.0), gamma=0.0))
+    one_host = Topology.from_hosts([0] * 4)
+    assert math.isclose(t.predict("allreduce", "recursive_doubling", 8, one_host), 2 * 1e-5)
+    assert math.isclose(t.predict("allreduce", "ring", 8, one_host), 6 * 2 * 1e-5)  # 2 segments a step
+    assert math.isclose(t.predict("allreduce", "recursive_doubling", 8, interleaved(2, 2)), 1e-4 + 1e-5)
+    assert t.predict("allreduce", "ring", 8, Topology.from_hosts([0])) == 0.0
+
+
+def test_single_host_choices_are_sensible():
+    topo = Topology.from_hosts([0] * 4)
+    sel = Selector("", Tuner(DEFAULT))
+    assert sel.choose("allreduce", 8, 4, topo=topo) == "recursive_doubling"
+    assert sel.choose("allreduce", 64 * 1024, 4, topo=topo) == "recursive_doubling"
+    assert sel.choose("allreduce", 64 * MIB, 4, topo=topo) in ("ring", "halving_doubling")
+    assert sel.choose("allgather", 8, 4, topo=topo) == "recursive_doubling"
+    assert sel.choose("broadcast", 64 * MIB, 4, topo=topo) == "ring"
+    for coll in MODELED:
+        for nbytes in (0, 8, MIB, 64 * MIB):
+            for n in (2, 3, 4, 5, 8):
+                assert sel.choose(coll, nbytes, n, topo=Topology.from_hosts([0] * n)) not in NAMED_ONLY
+
+
+def test_multi_host_large_messages_go_bandwidth_optimal():
+    sel = Selector("", Tuner(replace_net(DEFAULT, BETA)))
+    for hosts, per_host in ((2, 2), (4, 2), (3, 2), (2, 3)):
+        topo = interleaved(hosts, per_host)
+        name = sel.choose("allreduce", 16 * MIB, topo.size, topo=topo)
+        t = sel.tuner.predict("allreduce", name, 16 * MIB, topo)
+        assert t <= 1.05 * 2 * (hosts - 1) / hosts * 16 * MIB * BETA, (hosts, per_host, name)
+
+
+def replace_net(params, beta):
+    return Params(params.shm, Link(params.net.alpha, beta), params.gamma)
+
+
+def test_selector_keeps_algo_and_pycoll_algo_semantics():
+    t = Tuner(DEFAULT)
+    topo = interleaved(2, 2)
+    assert Selector("allreduce:ring", t).choose("allreduce", 8, 4, topo=topo) == "ring"
+    assert Selector("", t).choose("allreduce", 8, 4, "flat_ring", topo) == "flat_ring"
+    with pytest.raises(ValueError, match="does not implement allreduce"):
+        Selector("", t).choose("allreduce", 8, 4, "pairwise", topo)
+    # a named algorithm the model does not know (mpi_native): the size rule decides among the named
+    assert Selector("allreduce:ring,mpi_native", t).choose("allreduce", 8, 4, topo=topo) == "ring"
+    assert "flat_ring" not in parse_algo("^ring")["allreduce"] and "hierarchical" in parse_algo("^ring")["allreduce"]
+    assert parse_algo("flat_ring")["allreduce"] == frozenset({"flat_ring"})
+    static = Selector("")
+    assert static.choose("allreduce", 16 * MIB, 4, topo=topo) == default_order("allreduce", 16 * MIB, 4)[0]
+    assert static.phase("allreduce", MIB, Topology.from_hosts([0, 1]), 2).__name__ in ("allreduce",
+                                                                                       "allreduce_double_tree")
+
+
+def test_mode_and_links_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYCOLL_TUNER", "bogus")
+    with pytest.raises(EnvError, match="PYCOLL_TUNER"):
+        tuner.mode()
+    monkeypatch.setenv("PYCOLL_TUNER", "Static")
+    assert tuner.mode() == "static"
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps({"links": {"net": {"latency_us": 50, "gbit": 0.2}}}))
+    monkeypatch.setenv("PYCOLL_TOPO_FILE", str(path))
+    params = tuner.base_params(Topology.from_hosts([0, 1]))
+    assert params.source == "file" and math.isclose(params.net.beta, BETA) and params.shm == DEFAULT.shm
+    path.write_text(json.dumps({"links": {"ib": {"gbit": 1}}}))
+    with pytest.raises(EnvError, match="links"):
+        tuner.base_params(Topology.from_hosts([0, 1]))
+
+
+def test_cache_round_trip_and_expiry(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYCOLL_TUNER_CACHE", str(tmp_path))
+    assert tuner.cache_get("k") is None
+    tuner.cache_put("k", Link(1e-5, 2e-9))
+    assert tuner.cache_get("k") == Link(1e-5, 2e-9)
+    monkeypatch.setattr(tuner, "CACHE_TTL", -1.0)
+    assert tuner.cache_get("k") is None
+    monkeypatch.setenv("PYCOLL_TUNER_CACHE", "off")
+    tuner.cache_put("k2", Link(1.0, 1.0))
+    assert tuner.cache_dir() is None and tuner.cache_get("k2") is None
+
+
+def test_table_marks_one_choice_per_size():
+    text = Tuner(DEFAULT).table(interleaved(2, 2), [8, 16 * MIB], ["allreduce"])
+    rows = [line for line in text.splitlines() if line.startswith("allreduce")]
+    assert len(rows) == len(MODELED["allreduce"]) and sum(line.count("*") for line in rows) == 2
+
+
+# -- on real ranks ---------------------------------------------------------------------------------
+def _calibrated(rank, layout):
+    import os
+    import time
+    os.environ["PYCOLL_HOSTID"] = f"fake-{layout[rank]}"
+    import pycoll
+    t = time.perf_counter()
+    with pycoll.init() as comm:
+        took = time.perf_counter() - t
+        p = comm.selector.tuner.params
+        x = np.full(1 << 20, rank, np.float32)
+        comm.allreduce(x)
+        return p.source, p.row().tolist(), took, bool((x == sum(range(comm.size))).all())
+
+
+@pytest.mark.timeout(120)
+def test_probe_agrees_everywhere_then_comes_from_the_cache(tmp_path):
+    env = {"PYCOLL_TUNER_CACHE": str(tmp_path)}
+    layout = [0, 1, 0, 1]
+    first = run_ranks(_calibrated, 4, layout, init=False, env=env)
+    assert {r[0] for r in first} == {"probe"} and len({tuple(r[1]) for r in first}) == 1
+    row = first[0][1]
+    assert all(math.isfinite(v) and v > 0 for v in row) and row[3] < 1e-8  # net beta: faster than 100 MB/s
+    assert all(r[3] for r in first)
+    second = run_ranks(_calibrated, 4, layout, init=False, env=env)
+    assert {r[0] for r in second} == {"cache"} and second[0][1][:4] == row[:4]
+    assert len(list(tmp_path.iterdir())) == 2  # one entry per link class
+
+
+def _tuner_kind(comm):
+    t = comm.selector.tuner
+    return None if t is None else t.params.source
+
+
+@pytest.mark.timeout(60)
+def test_static_mode_and_pycoll_algo_skip_the_probe():
+    assert run_ranks(_tuner_kind, 2, env={"PYCOLL_TUNER": "static"}) == [None, None]
+    assert run_ranks(_tuner_kind, 2, env={"PYCOLL_ALGO": "allreduce:ring"}) == ["default", "default"]
+
+
+def _logged_choice(comm):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("pycoll.tuner").addHandler(handler)
+    comm.allreduce(np.ones(1024, np.float32))
+    comm.allreduce(np.ones(1024, np.float32))  # the same size again: decided once, logged once
+    return [r.getMessage() for r in records]
+
+
+@pytest.mark.timeout(60)
+def test_debug_info_logs_the_choice_with_its_predicted_time():
+    got = run_ranks(_logged_choice, 2, env={"PYCOLL_DEBUG": "INFO", "PYCOLL_TUNER": "model"})
+    for msgs in got:
+        assert len(msgs) == 1 and msgs[0].startswith("allreduce of 4096 B on 2 ranks / 1 hosts: ")
+        assert "predicted" in msgs[0] and " ms" in msgs[0]
