@@ -12,6 +12,7 @@ REGISTRY = {
     "tcp": "tcp:TcpTransport",
     "shm": "shm:ShmTransport",
     "mpi": "mpi:MpiTransport",
+    "verbs": "verbs:VerbsTransport",
     "auto": "mux:AutoTransport",
 }
 NAMES = tuple(REGISTRY)
