@@ -4,7 +4,7 @@ Algorithms call only this, so they never see sockets, transports or global rank 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -64,6 +64,16 @@ class Channel:
                 then = self._after.pop(id(r), None)
                 if then is not None:
                     then()
+
+    def board_exchange(self, arr: np.ndarray) -> Optional[List[np.ndarray]]:
+        """Every rank's `arr` (same size and dtype everywhere), in rank order, through the transport's
+        shared-memory board; None where there is no board or `arr` does not fit its slots (the same on
+        every rank). The arrays view shared memory: read them before this communicator's next call."""
+        board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
+        if board is None or arr.nbytes > board.slot_bytes:
+            return None
+        views = board.exchange(byte_view(arr), self.group, self.timeout, self.what)
+        return [np.frombuffer(v, arr.dtype) for v in views]
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int = 0) -> None:
         """Exchange in one step: post the receive first so the peer's send lands directly."""

@@ -201,14 +201,14 @@ def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
 
 # -- the model -------------------------------------------------------------------------------------
 MODELED: Dict[str, Tuple[str, ...]] = {
-    "allreduce": ("ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
+    "allreduce": ("oneshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
                   "hierarchical"),
     "broadcast": ("tree", "ring", "hierarchical"),
     "allgather": ("ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "halving_doubling"),
     "reduce": ("tree",),
 }
-FLAT = ("flat_ring", "hierarchical")  # never chosen for a phase of a hierarchical algorithm
+FLAT = ("flat_ring", "hierarchical", "oneshot")  # never chosen for a phase of a hierarchical algorithm
 
 
 def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1) -> float:
@@ -235,11 +235,17 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     return rnd.msgs * link.alpha + max(nic * streams, mem) + rnd.reduce * params.gamma
 
 
-class Tuner:
-    """Predicts the time of every modeled algorithm and picks the cheapest."""
+def oneshot_pattern(nbytes: float, n: int) -> List[Round]:
+    """One board post per rank, then every rank reads (and reduces) the n - 1 others' slots."""
+    return [Round(1, [(a, b, nbytes) for a in range(n) for b in range(n) if a != b], (n - 1) * nbytes)]
 
-    def __init__(self, params: Params) -> None:
-        self.params = params
+
+class Tuner:
+    """Predicts the time of every modeled algorithm and picks the cheapest; `board_bytes` is what a
+    shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm)."""
+
+    def __init__(self, params: Params, board_bytes: int = 0) -> None:
+        self.params, self.board_bytes = params, board_bytes
 
     def pattern(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> List[Round]:
         """The rounds of one flat (non-hierarchical) algorithm."""
@@ -253,6 +259,8 @@ class Tuner:
             return double_tree_pattern(nbytes, n)
         if algorithm in ("tree", "binomial"):
             return binomial_pattern(collective, nbytes, n)
+        if algorithm == "oneshot":
+            return oneshot_pattern(nbytes, n)
         raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
 
     def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,
@@ -260,6 +268,8 @@ class Tuner:
         """Predicted seconds for one call moving `nbytes` (as the Communicator counts them)."""
         if topo.size == 1:
             return 0.0
+        if algorithm == "oneshot" and (topo.nhosts > 1 or nbytes > self.board_bytes):
+            return math.inf  # no board: it would run recursive doubling
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         return sum(round_time(r, topo.host_of, self.params, streams)
@@ -334,6 +344,8 @@ def _size(n: int) -> str:
 
 
 def _time(t: float) -> str:
+    if math.isinf(t):
+        return "-"
     return f"{t * 1e6:.0f}us" if t < 1e-3 else f"{t * 1e3:.1f}ms" if t < 1 else f"{t:.2f}s"
 
 
@@ -504,7 +516,7 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
 
 
 def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
-                     transport: str) -> Optional[Tuner]:
+                     transport: str, board_bytes: int = 0) -> Optional[Tuner]:
     """The world communicator's tuner: None (static rules) under PYCOLL_TUNER=static; else the model,
     calibrated at init unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
     how = mode()
@@ -517,4 +529,4 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,
                         (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
                         params.net.describe())
-    return Tuner(params)
+    return Tuner(params, board_bytes)

@@ -11,6 +11,7 @@ import os
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..topology import Topology
+from ..transports.shm_board import SLOT_BYTES
 from ..tuner import MODELED, Tuner, info_log
 
 # collective -> algorithm -> "module:function" (resolved on first use)
@@ -19,6 +20,7 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
                   "halving_doubling": "halving_doubling:allreduce",
                   "tree": "tree:allreduce_double_tree", "binomial": "tree:allreduce",
                   "hierarchical": "hierarchical:allreduce", "flat_ring": "ring:allreduce",
+                  "oneshot": "oneshot:allreduce",
                   "mpi_native": "mpi_native:allreduce"},
     "broadcast": {"tree": "tree:broadcast", "ring": "hierarchical:ring_broadcast",
                   "hierarchical": "hierarchical:broadcast", "mpi_native": "mpi_native:broadcast"},
@@ -32,10 +34,11 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "alltoallv": {"pairwise": "pairwise:alltoallv", "mpi_native": "mpi_native:alltoallv"},
     "gather": {"linear": "linear:gather", "mpi_native": "mpi_native:gather"},
     "scatter": {"linear": "linear:scatter", "mpi_native": "mpi_native:scatter"},
-    "barrier": {"dissemination": "barrier:barrier", "mpi_native": "mpi_native:barrier"},
+    "barrier": {"oneshot": "oneshot:barrier", "dissemination": "barrier:barrier", "mpi_native": "mpi_native:barrier"},
 }
 ALGORITHM_NAMES = frozenset({"ring", "tree", "halving_doubling", "recursive_doubling", "hierarchical",
-                             "pairwise", "linear", "mpi_native", "binomial", "dissemination", "flat_ring"})
+                             "pairwise", "linear", "mpi_native", "binomial", "dissemination", "flat_ring",
+                             "oneshot"})
 # chosen only when named: MPI's own collectives, and the ring in plain rank order (for comparison)
 NAMED_ONLY = frozenset({"mpi_native", "flat_ring"})
 COLLECTIVE_ALIASES = {"allgatherv": "allgather", "reducescatter": "reduce_scatter", "bcast": "broadcast"}
@@ -175,6 +178,8 @@ def default_order(collective: str, nbytes: int, size: int) -> List[str]:
     """Preference order by message size, MPICH/Open MPI style (the tuner refines it)."""
     pow2 = size & (size - 1) == 0
     if collective == "allreduce":
+        if nbytes <= SLOT_BYTES:  # a board where the transport has one, else recursive doubling
+            return ["oneshot", "recursive_doubling", "halving_doubling", "ring", "tree", "binomial"]
         if nbytes <= (256 << 10):  # measured here (4 ranks, tcp): fewest steps win up to ~256 KiB
             return ["recursive_doubling", "halving_doubling", "ring", "tree", "binomial"]
         if nbytes <= (1 << 20) and pow2:

@@ -68,6 +68,7 @@ class Transport(ABC):
 
     name = "base"
     supports_sink = False  # True when irecv(..., sink=f) hands the payload to f without a copy
+    board_bytes = 0        # what one slot of board() holds (0: no board)
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -98,6 +99,12 @@ class Transport(ABC):
         if not self.wait_for(reqs, timeout):
             raise self._timeout_error(reqs, timeout, what)
         self._raise_errors(reqs, what)
+
+    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: str) -> Any:
+        """A shared-memory board for communicator `comm_id` (see shm_board.ShmBoard), or None where the
+        transport has none or the members do not all share this host. Every member calls it in the
+        same call `seq` (the first use may exchange messages), and all get a board or all get None."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

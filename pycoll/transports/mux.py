@@ -5,7 +5,7 @@ A single-host job is pure shm and never opens a socket; a rank alone on its host
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..bootstrap.store import Store
 from .base import MsgKey, Request, Sink, Transport
@@ -32,6 +32,7 @@ class AutoTransport(Transport):
         self._route = [self._shm if self._shm is not None and hosts[r] == hosts[rank] else self._tcp
                        for r in range(size)]
         self.name = "auto(" + "+".join(t.name for t in (self._shm, self._tcp) if t is not None) + ")"
+        self.board_bytes = self._shm.board_bytes if self._shm is not None else 0
 
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -69,6 +70,12 @@ class AutoTransport(Transport):
                 on_shm = []
             if time.monotonic() >= deadline:
                 return False
+
+    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: str) -> Any:
+        """shm's board, for a communicator whose ranks all share this host."""
+        if self._shm is None or any(self._route[m] is not self._shm for m in members):
+            return None
+        return self._shm.board(comm_id, members, seq, timeout, what)
 
     def close(self) -> None:
         for t in (self._shm, self._tcp):

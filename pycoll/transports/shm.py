@@ -12,7 +12,9 @@ rings, yielding the CPU between sweeps, and after a bounded number of fruitless 
 unix datagram socket (its doorbell) that peers poke after publishing data or freeing space it
 waits for. Segment names are random per job, travel through the authenticated store and carry
 token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
-/dev/shm after close() or kill -9. A sleeper also polls a pidfd per local peer: a peer that exits
+/dev/shm after close() or kill -9. Between the header and the rings each segment has a board
+(shm_board.py): lanes where single-host communicators run small collectives without messages.
+A sleeper also polls a pidfd per local peer: a peer that exits
 without marking its segment closed died, and every pending request then fails naming it (as tcp).
 """
 from __future__ import annotations
@@ -27,12 +29,15 @@ import socket
 import threading
 import time
 from collections import deque
+
+import numpy as np
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
+from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
 RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
@@ -81,7 +86,7 @@ def _layout(off: int, nbytes: int, ring: int) -> Tuple[int, int]:
 
 def _ring_at(ring: int, slot: int) -> int:
     """Byte offset of ring `slot`'s control block in a segment of rings of `ring` bytes."""
-    return _PAGE + slot * (_PAGE + ring)
+    return _PAGE + BOARD_BYTES + slot * (_PAGE + ring)
 
 
 def _as_bytes(view: memoryview) -> memoryview:
@@ -124,12 +129,13 @@ class _Outbound:
 class _Peer:
     """This rank's two rings with one local rank: me -> it (in its segment), it -> me (in mine)."""
 
-    __slots__ = ("rank", "bell", "flags", "out_ctrl", "out_data", "out_size", "in_ctrl", "in_data",
+    __slots__ = ("rank", "bell", "flags", "board", "board_ctrl", "out_ctrl", "out_data", "out_size", "in_ctrl", "in_data",
                  "in_size", "wpos", "rpos", "queue", "cur", "held", "expecting", "blocked")
 
-    def __init__(self, rank: int, bell: str, flags: memoryview, out_ctrl: memoryview,
+    def __init__(self, rank: int, bell: str, flags: memoryview, board: memoryview, out_ctrl: memoryview,
                  out_data: memoryview, in_ctrl: memoryview, in_data: memoryview) -> None:
-        self.rank, self.bell, self.flags = rank, bell, flags
+        self.rank, self.bell, self.flags, self.board = rank, bell, flags, board  # board: its segment's
+        self.board_ctrl = board[:BOARD_CTRL].cast("q")  # released before unmapping: see ShmTransport._keep
         self.out_ctrl, self.out_data, self.out_size = out_ctrl, out_data, out_data.nbytes
         self.in_ctrl, self.in_data, self.in_size = in_ctrl, in_data, in_data.nbytes
         self.wpos = self.rpos = 0
@@ -145,6 +151,7 @@ class ShmTransport(Transport):
 
     name = "shm"
     supports_sink = True
+    board_bytes = SLOT_BYTES
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:
@@ -174,6 +181,7 @@ class ShmTransport(Transport):
         self._bell: Optional[socket.socket] = None
         self._poll = select.poll()
         self._pidfds: Dict[int, int] = {}   # pidfd -> local peer rank (readable once that process exits)
+        self._boards: Dict[int, Optional[ShmBoard]] = {}  # comm id -> its board (None: it has none)
         self.failure: Optional[PeerError] = None  # set once a local peer died: the job is broken
         self._closed = False
 
@@ -197,16 +205,18 @@ class ShmTransport(Transport):
                 raise PeerError(f"rank {me}: rank {p} published a bad segment name {peer_name!r}", p)
             self.segments[p] = peer_name
             if p == me:
-                head = self._keep(mine[:_PAGE])
+                head = self._keep(mine[:_PAGE + BOARD_BYTES])
                 out = self._keep(mine[_ring_at(ring, slot[me]):_ring_at(ring, slot[me] + 1)])
             else:
                 head, out = self._attach(os.path.join(SHM_DIR, peer_name), p, slot[me])
+            head, board = self._keep(head[:_PAGE]), self._keep(head[_PAGE:])
             self._verify(token, bytes(head[_HELLO_AT:_HELLO_AT + wire.HELLO.size]), p, p, "the segment")
             out[_HELLO_AT:_HELLO_AT + wire.HELLO.size] = wire.make_hello(token, me, p, secrets.token_bytes(16))
             at = _ring_at(ring, slot[p])  # p's ring inside mine
-            peer = _Peer(p, "\0" + peer_name, self._keep(head.cast("q")), self._keep(out[:_PAGE].cast("q")),
+            peer = _Peer(p, "\0" + peer_name, self._keep(head.cast("q")), board, self._keep(out[:_PAGE].cast("q")),
                          self._keep(out[_PAGE:]), self._keep(mine[at:at + _PAGE].cast("q")),
                          self._keep(mine[at + _PAGE:at + _PAGE + ring]))
+            self._keep(peer.board_ctrl)
             self._peers[p] = peer
             self._active.append(peer)
         store.set(f"shm/{me}/attached", b"1")
@@ -253,7 +263,7 @@ class ShmTransport(Transport):
         return seg
 
     def _attach(self, path: str, owner: int, slot: int) -> Tuple[memoryview, memoryview]:
-        """Map the header page of rank `owner`'s segment and my ring in it (control block + data)."""
+        """Map the header page and board of rank `owner`'s segment, and my ring in it (control block + data)."""
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -261,7 +271,8 @@ class ShmTransport(Transport):
                             "(that rank gave up or died while connecting)", owner) from None
         try:
             nbytes = os.fstat(fd).st_size  # too short for a header: read as ring size 0, rejected below
-            head = self._mmap(fd, _PAGE, 0) if nbytes >= _PAGE else memoryview(bytes(_PAGE))
+            head = self._mmap(fd, _PAGE + BOARD_BYTES, 0) if nbytes >= _PAGE + BOARD_BYTES else \
+                memoryview(bytes(_PAGE))
             ring = head.cast("q")[_RING]
             if ring < _MIN_RING or ring & (ring - 1) or nbytes != _ring_at(ring, len(self.local)):
                 raise PeerError(f"rank {self.rank}: segment {path} of rank {owner} ({nbytes} bytes, ring "
@@ -327,6 +338,32 @@ class ShmTransport(Transport):
                 self._posted.setdefault(match, deque()).append(req)
                 p.expecting += 1
         return req
+
+    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float,
+              what: str) -> Optional[ShmBoard]:
+        """The board of communicator `comm_id` (ranks `members`): set up at its first use, which every
+        member reaches in the same call `seq`; None if a member has no lane left (then all agree)."""
+        if comm_id in self._boards:
+            return self._boards[comm_id]
+        me = self._peers[self.rank]
+        mine = np.array([claim_lane(me.board_ctrl, comm_id)], np.int64)
+        key = MsgKey(comm_id, seq, HANDSHAKE_TAG)
+        others = [m for m in members if m != self.rank]
+        theirs = {m: np.empty(1, np.int64) for m in others}
+        reqs = [self.irecv(memoryview(theirs[m]).cast("B"), m, key) for m in others]
+        reqs += [self.isend(memoryview(mine).cast("B"), m, key) for m in others]
+        self.wait(reqs, timeout, f"{what}: board set-up")
+        lanes = {m: int(v[0]) for m, v in theirs.items()}
+        lanes[self.rank] = int(mine[0])
+        board = None
+        if min(lanes.values()) >= 0:
+            peers = {m: self._peer(m) for m in members}
+            board = ShmBoard(self.rank, comm_id, members, lanes,
+                             {m: p.board_ctrl for m, p in peers.items()},
+                             {m: p.board for m, p in peers.items()},
+                             lambda ranks: [self._wake(peers[m], _HEAD) for m in ranks], self.wait)
+        self._boards[comm_id] = board
+        return board
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
@@ -394,15 +431,17 @@ class ShmTransport(Transport):
                 self._lock.acquire()
                 moved = self._sweep()
             else:
-                moved = self._sleep(deadline - now) or self._fail_if_gone(reqs)
+                moved = self._sleep(deadline - now, reqs) or self._fail_if_gone(reqs)
+                if self._followers:  # the doorbell may have rung for a follower's board wait
+                    self._cond.notify_all()
 
-    def _sleep(self, timeout: float) -> bool:
+    def _sleep(self, timeout: float, reqs: Sequence[Request]) -> bool:
         """Raise my doorbell flag, look once more (draining everything), then block on the doorbell;
-        True if a sweep moved data."""
+        True if a sweep moved data or `reqs` are done."""
         flags = self._peers[self.rank].flags
         flags[_ASLEEP] = 1
         _fence()
-        if self._sweep(drain=True):
+        if self._sweep(drain=True) or all(r.done for r in reqs):  # (board posts flip done without data)
             flags[_ASLEEP] = 0
             return True
         self._lock.release()

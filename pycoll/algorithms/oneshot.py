@@ -1,0 +1,31 @@
+"""One-shot collectives on a shared-memory board (NCCL's one-shot allreduce, Open MPI's coll/sm):
+every rank posts its input once and reads everyone's, so a call is one synchronisation instead of
+lg n message rounds. Only where the transport has a board for the communicator (all ranks on one
+host over shm) and the data fits its slots; elsewhere the message-based algorithm runs instead,
+the same decision on every rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..channel import Channel
+from ..ops import ReduceOp, combine
+from . import barrier as dissemination
+from . import recursive_doubling
+
+
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
+    """Every rank reduces all ranks' inputs in rank order itself: bit-identical results everywhere."""
+    inputs = ch.board_exchange(buf)
+    if inputs is None:
+        recursive_doubling.allreduce(ch, buf, op)
+        return
+    np.copyto(buf, inputs[0])
+    for other in inputs[1:]:
+        combine(op, buf, other, buf)
+
+
+def barrier(ch: Channel) -> None:
+    """Return once every rank has posted to the board (dissemination without a board)."""
+    if ch.board_exchange(np.empty(0, np.uint8)) is None:
+        dissemination.barrier(ch)

@@ -1,0 +1,95 @@
+"""Shared-memory boards: small collectives with no messages at all (Open MPI's coll/sm, NCCL's one-shot).
+
+Every rank's shm segment carries LANES lanes. A communicator whose ranks all share this host takes
+one lane on each of its ranks, agreed once over the transport's own messages. A lane holds a counter
+and two slots of SLOT_BYTES: at its b-th board call a rank copies its input into slot b % 2 and
+publishes b; once every member has published b, each reads every member's slot b % 2. A rank
+publishes b + 1 only after it has finished reading call b, so a slot is overwritten (at call b + 2)
+only after every member is done with it: no other flag is needed. Lanes are never handed back (a
+peer may still read the last call's slot), so a process that creates more than LANES single-host
+communicators runs the later ones without a board.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence
+
+from .base import MsgKey, Request
+
+LANES = 16
+SLOT_BYTES = 16 << 10
+BOARD_CTRL = 4096
+BOARD_BYTES = BOARD_CTRL + LANES * 2 * SLOT_BYTES
+HANDSHAKE_TAG = -2  # the lane agreement's messages (algorithms use tags >= 0)
+# int64 indices of a lane's control block (one 64-byte line per lane)
+_LINE = 8
+_CLAIMED, _OWNER, _POSTED = 0, 1, 2
+
+
+def claim_lane(ctrl: memoryview, comm_id: int) -> int:
+    """Take the first lane never taken in this rank's own board (`ctrl`: its int64 control view); -1 if none."""
+    for lane in range(LANES):
+        at = lane * _LINE
+        if not ctrl[at + _CLAIMED]:
+            ctrl[at + _OWNER] = comm_id & 0x7FFF_FFFF_FFFF_FFFF
+            ctrl[at + _POSTED] = 0
+            ctrl[at + _CLAIMED] = 1
+            return lane
+    return -1
+
+
+def slot(board: memoryview, lane: int, parity: int) -> memoryview:
+    """Slot `parity` of `lane` in a board region (bytes)."""
+    at = BOARD_CTRL + (2 * lane + parity) * SLOT_BYTES
+    return board[at:at + SLOT_BYTES]
+
+
+class _Posted(Request):
+    """Waits for one member's post of board call `want`: done once its lane counter reaches it."""
+
+    __slots__ = ("_ctrl", "_at", "_want", "_forced")
+
+    def __init__(self, peer: int, key: MsgKey, ctrl: memoryview, lane: int, want: int) -> None:
+        super().__init__(peer, key, memoryview(b""), 0, is_recv=True)
+        self._ctrl, self._at, self._want, self._forced = ctrl, lane * _LINE + _POSTED, want, False
+
+    @property  # type: ignore[override]
+    def done(self) -> bool:
+        return self._forced or self._ctrl[self._at] >= self._want
+
+    @done.setter
+    def done(self, value: bool) -> None:  # the transport fails a wait by setting done (and error)
+        self._forced = value
+
+    def describe(self) -> str:
+        return f"board post from rank {self.peer}"
+
+
+class ShmBoard:
+    """One communicator's lane on each of its ranks (global rank numbers), and its call counter."""
+
+    slot_bytes = SLOT_BYTES
+
+    def __init__(self, rank: int, comm_id: int, members: Sequence[int], lanes: Dict[int, int],
+                 ctrls: Dict[int, memoryview], boards: Dict[int, memoryview],
+                 wake: Callable[[Sequence[int]], None],
+                 wait: Callable[[Sequence[Request], float, str], None]) -> None:
+        self.rank, self.comm_id, self.members = rank, comm_id, list(members)
+        self._lanes, self._ctrls, self._boards = lanes, ctrls, boards
+        self._others = [m for m in self.members if m != rank]
+        self._wake, self._wait = wake, wait
+        self.calls = 0
+
+    def exchange(self, data: memoryview, order: Sequence[int], timeout: float, what: str) -> List[memoryview]:
+        """Post `data` (at most slot_bytes), wait until every member has posted this call, and return
+        the members' bytes in `order` (global ranks; valid until this rank's next call but one)."""
+        self.calls = b = self.calls + 1
+        n, parity = data.nbytes, b & 1
+        slot(self._boards[self.rank], self._lanes[self.rank], parity)[:n] = data
+        self._ctrls[self.rank][self._lanes[self.rank] * _LINE + _POSTED] = b
+        self._wake(self._others)
+        key = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
+        waiting = [_Posted(p, key, self._ctrls[p], self._lanes[p], b) for p in self._others]
+        waiting = [w for w in waiting if not w.done]
+        if waiting:
+            self._wait(waiting, timeout, what)
+        return [slot(self._boards[m], self._lanes[m], parity)[:n] for m in order]
