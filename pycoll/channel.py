@@ -17,11 +17,24 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+class CallName:
+    """'allreduce (call 7 on world, rank 1 of 4)': what a call is called in errors, formatted only when
+    one is raised (a small collective should not pay for an f-string)."""
+
+    __slots__ = ("collective", "seq", "comm", "rank", "size")
+
+    def __init__(self, collective: str, seq: int, comm: str, rank: int, size: int) -> None:
+        self.collective, self.seq, self.comm, self.rank, self.size = collective, seq, comm, rank, size
+
+    def __str__(self) -> str:
+        return f"{self.collective} (call {self.seq} on {self.comm}, rank {self.rank} of {self.size})"
+
+
 class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
-                 seq: int, timeout: float, what: str) -> None:
+                 seq: int, timeout: float, what: object) -> None:
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
         self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
@@ -72,8 +85,7 @@ class Channel:
         board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
         if board is None or arr.nbytes > board.slot_bytes:
             return None
-        views = board.exchange(byte_view(arr), self.group, self.timeout, self.what)
-        return [np.frombuffer(v, arr.dtype) for v in views]
+        return board.exchange(arr.reshape(-1), self.group, self.timeout, self.what)
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int = 0) -> None:
         """Exchange in one step: post the receive first so the peer's send lands directly."""

@@ -13,7 +13,7 @@ from .algorithms.registry import Selector
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
-from .channel import Channel, byte_view
+from .channel import CallName, Channel, byte_view
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .topology import Topology
 from .transports.base import MsgKey, Transport
@@ -97,11 +97,11 @@ class Communicator:
     def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
         """A Channel for the next call number: what an algorithm runs on (all ranks must call in order)."""
         seq = next(self._seq)
-        what = f"{collective} (call {seq} on {self.name}, rank {self.rank} of {self.size})"
         return Channel(self.transport, self.group, self.rank, self.comm_id, seq,
-                       self.timeout if timeout is None else timeout, what)
+                       self.timeout if timeout is None else timeout,
+                       CallName(collective, seq, self.name, self.rank, self.size))
 
-    def _submit(self, what: str, fn: Callable[[], Any]) -> Work:
+    def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:
             self._worker = Worker(f"pycoll-{self.name}")
 

@@ -88,7 +88,8 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
         raise TypeError(f"op {op.value} is not defined for complex dtype {dtype}")
 
 
-def _ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
+def ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
+    """The numpy ufunc that computes `op` on `dtype` (AVG sums: the caller divides at the end)."""
     if dtype == np.bool_ and op in (SUM, AVG):
         return np.logical_or
     if dtype == np.bool_ and op == PROD:
@@ -98,12 +99,12 @@ def _ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
 
 def reduce_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """acc = op(acc, other), elementwise and in place (AVG sums; the caller divides at the end)."""
-    _ufunc(op, acc.dtype)(acc, other, out=acc)
+    ufunc(op, acc.dtype)(acc, other, out=acc)
 
 
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = op(a, b) elementwise, with no temporary (out may be a or b)."""
-    _ufunc(op, out.dtype)(a, b, out=out)
+    ufunc(op, out.dtype)(a, b, out=out)
 
 
 def finish_avg(buf: np.ndarray, size: int) -> None:

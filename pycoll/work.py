@@ -17,7 +17,7 @@ from .errors import TimeoutError
 class Work:
     """A collective in flight: wait(timeout), is_completed(), exception(), result()."""
 
-    def __init__(self, what: str, future: "Future[Any]") -> None:
+    def __init__(self, what: object, future: "Future[Any]") -> None:
         self.what, self._future = what, future
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -59,7 +59,7 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, fn: Callable[[], Any]) -> Work:
+    def submit(self, what: object, fn: Callable[[], Any]) -> Work:
         """Queue `fn` behind earlier work and return its handle."""
         future: "Future[Any]" = Future()
         self._queue.put((future, fn))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..channel import Channel
-from ..ops import ReduceOp, combine
+from ..ops import ReduceOp, ufunc
 from . import barrier as dissemination
 from . import recursive_doubling
 
@@ -20,9 +20,11 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
     if inputs is None:
         recursive_doubling.allreduce(ch, buf, op)
         return
-    np.copyto(buf, inputs[0])
+    flat = buf.reshape(-1)
+    np.copyto(flat, inputs[0])
+    fn = ufunc(op, buf.dtype)
     for other in inputs[1:]:
-        combine(op, buf, other, buf)
+        fn(flat, other, out=flat)
 
 
 def barrier(ch: Channel) -> None:

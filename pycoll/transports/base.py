@@ -94,13 +94,13 @@ class Transport(ABC):
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         """Make progress until every request is done (True) or `timeout` s pass (False); never spins."""
 
-    def wait(self, reqs: Sequence[Request], timeout: float, what: str) -> None:
+    def wait(self, reqs: Sequence[Request], timeout: float, what: object) -> None:
         """Block until every request is done; raise its error, or TimeoutError naming the peers."""
         if not self.wait_for(reqs, timeout):
             raise self._timeout_error(reqs, timeout, what)
         self._raise_errors(reqs, what)
 
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: str) -> Any:
+    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: object) -> Any:
         """A shared-memory board for communicator `comm_id` (see shm_board.ShmBoard), or None where the
         transport has none or the members do not all share this host. Every member calls it in the
         same call `seq` (the first use may exchange messages), and all get a board or all get None."""
@@ -110,7 +110,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Flush pending sends (bounded) and release sockets and memory."""
 
-    def _timeout_error(self, reqs: Sequence[Request], timeout: float, what: str) -> TimeoutError:
+    def _timeout_error(self, reqs: Sequence[Request], timeout: float, what: object) -> TimeoutError:
         pending = [r for r in reqs if not r.done]
         return TimeoutError(
             f"rank {self.rank}: {what} timed out after {timeout:g} s over {self.name}; still waiting "
@@ -118,7 +118,7 @@ class Transport(ABC):
             peers=[r.peer for r in pending])
 
     @staticmethod
-    def _raise_errors(reqs: Sequence[Request], what: str) -> None:
+    def _raise_errors(reqs: Sequence[Request], what: object) -> None:
         for r in reqs:
             if isinstance(r.error, PeerError):  # say which call was hit, keep the error type
                 raise type(r.error)(f"{what}: {r.error}", r.error.peer) from r.error

@@ -71,7 +71,7 @@ class AutoTransport(Transport):
             if time.monotonic() >= deadline:
                 return False
 
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: str) -> Any:
+    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: object) -> Any:
         """shm's board, for a communicator whose ranks all share this host."""
         if self._shm is None or any(self._route[m] is not self._shm for m in members):
             return None

@@ -340,7 +340,7 @@ class ShmTransport(Transport):
         return req
 
     def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float,
-              what: str) -> Optional[ShmBoard]:
+              what: object) -> Optional[ShmBoard]:
         """The board of communicator `comm_id` (ranks `members`): set up at its first use, which every
         member reaches in the same call `seq`; None if a member has no lane left (then all agree)."""
         if comm_id in self._boards:
@@ -361,7 +361,7 @@ class ShmTransport(Transport):
             board = ShmBoard(self.rank, comm_id, members, lanes,
                              {m: p.board_ctrl for m, p in peers.items()},
                              {m: p.board for m, p in peers.items()},
-                             lambda ranks: [self._wake(peers[m], _HEAD) for m in ranks], self.wait)
+                             lambda ranks: self._wake_sleepers([peers[m] for m in ranks]), self.wait)
         self._boards[comm_id] = board
         return board
 
@@ -524,6 +524,13 @@ class ShmTransport(Transport):
         _fence()
         if p.flags[_ASLEEP] and (why == _HEAD or p.in_ctrl[_BLOCKED]):
             self._poke(p)
+
+    def _wake_sleepers(self, peers: Sequence[_Peer]) -> None:
+        """After publishing a board post: poke those of `peers` that sleep on their doorbells."""
+        _fence()
+        for p in peers:
+            if p.flags[_ASLEEP]:
+                self._poke(p)
 
     def _sweep(self, drain: bool = False) -> bool:
         """Push queued sends and pull published data on every ring once; True if anything moved.

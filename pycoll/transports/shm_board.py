@@ -11,7 +11,10 @@ communicators runs the later ones without a board.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+import os
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
 
 from .base import MsgKey, Request
 
@@ -20,6 +23,7 @@ SLOT_BYTES = 16 << 10
 BOARD_CTRL = 4096
 BOARD_BYTES = BOARD_CTRL + LANES * 2 * SLOT_BYTES
 HANDSHAKE_TAG = -2  # the lane agreement's messages (algorithms use tags >= 0)
+SPIN_YIELDS = 256   # yields of the CPU spent looking for late posts before the transport's blocking wait
 # int64 indices of a lane's control block (one 64-byte line per lane)
 _LINE = 8
 _CLAIMED, _OWNER, _POSTED = 0, 1, 2
@@ -74,22 +78,36 @@ class ShmBoard:
                  wake: Callable[[Sequence[int]], None],
                  wait: Callable[[Sequence[Request], float, str], None]) -> None:
         self.rank, self.comm_id, self.members = rank, comm_id, list(members)
-        self._lanes, self._ctrls, self._boards = lanes, ctrls, boards
+        self._lanes, self._ctrls = lanes, ctrls
+        self._counter = {m: lanes[m] * _LINE + _POSTED for m in members}  # index into ctrls[m]
         self._others = [m for m in self.members if m != rank]
+        self._bytes = [{m: np.frombuffer(slot(boards[m], lanes[m], k), np.uint8) for m in members} for k in (0, 1)]
+        self._typed: Dict[Tuple[int, np.dtype, Tuple[int, ...]], List[np.ndarray]] = {}
         self._wake, self._wait = wake, wait
         self.calls = 0
 
-    def exchange(self, data: memoryview, order: Sequence[int], timeout: float, what: str) -> List[memoryview]:
-        """Post `data` (at most slot_bytes), wait until every member has posted this call, and return
-        the members' bytes in `order` (global ranks; valid until this rank's next call but one)."""
+    def exchange(self, data: np.ndarray, order: Sequence[int], timeout: float, what: object) -> List[np.ndarray]:
+        """Post `data` (flat, at most slot_bytes), wait until every member has posted this call, and
+        return the members' arrays in `order` (global ranks), views into their slots that stay valid
+        until this rank's next call but one."""
         self.calls = b = self.calls + 1
-        n, parity = data.nbytes, b & 1
-        slot(self._boards[self.rank], self._lanes[self.rank], parity)[:n] = data
-        self._ctrls[self.rank][self._lanes[self.rank] * _LINE + _POSTED] = b
+        parity, count = b & 1, data.size
+        key = (parity, data.dtype, tuple(order))
+        typed = self._typed.get(key)
+        if typed is None:
+            typed = self._typed[key] = [self._bytes[parity][m].view(data.dtype) for m in order]
+        self._bytes[parity][self.rank][:data.nbytes] = data.view(np.uint8)
+        ctrls, at = self._ctrls, self._counter
+        ctrls[self.rank][at[self.rank]] = b
         self._wake(self._others)
-        key = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
-        waiting = [_Posted(p, key, self._ctrls[p], self._lanes[p], b) for p in self._others]
-        waiting = [w for w in waiting if not w.done]
-        if waiting:
-            self._wait(waiting, timeout, what)
-        return [slot(self._boards[m], self._lanes[m], parity)[:n] for m in order]
+        late = [p for p in self._others if ctrls[p][at[p]] < b]
+        spins = SPIN_YIELDS
+        while late and spins:  # most posts come within a few time slices
+            os.sched_yield()
+            spins -= 1
+            while late and ctrls[late[-1]][at[late[-1]]] >= b:
+                late.pop()
+        if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
+            key_ = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
+            self._wait([_Posted(p, key_, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
+        return [a[:count] for a in typed]
