@@ -179,14 +179,15 @@ def test_a_rank_killed_during_board_calls_is_named_within_5s():
 def _absent(comm):
     import pycoll
     comm.allreduce(np.ones(2), algo="oneshot")
-    if comm.rank == 2:
-        comm.recv(np.empty(1), 0, tag=5, timeout=60)
+    if comm.rank == 2:  # alive, but it leaves only once both others are done waiting on it
+        for caller in (0, 1):
+            comm.recv(np.empty(1), caller, tag=5, timeout=60)
         return None
     t0 = time.monotonic()
     try:
         comm.allreduce(np.ones(2), algo="oneshot", timeout=1.0)
     except pycoll.TimeoutError as e:
-        comm.send(np.ones(1), 2, tag=5) if comm.rank == 0 else None
+        comm.send(np.ones(1), 2, tag=5)
         return e.peers, str(e), time.monotonic() - t0
     return None, "no error", 0.0
 
