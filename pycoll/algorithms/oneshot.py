@@ -6,6 +6,8 @@ the same decision on every rank.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ..channel import Channel
@@ -14,10 +16,13 @@ from . import barrier as dissemination
 from . import recursive_doubling
 
 
-def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
-    """Every rank reduces all ranks' inputs in rank order itself: bit-identical results everywhere."""
-    inputs = ch.board_exchange(buf)
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
+    """Every rank reduces all ranks' inputs (`src`, or `buf` in place) in rank order itself into
+    `buf`: bit-identical results everywhere, and out of place without a copy."""
+    inputs = ch.board_exchange(buf if src is None else src)
     if inputs is None:
+        if src is not None:
+            np.copyto(buf, src)
         recursive_doubling.allreduce(ch, buf, op)
         return
     flat = buf.reshape(-1)
@@ -25,6 +30,9 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
     fn = ufunc(op, buf.dtype)
     for other in inputs[1:]:
         fn(flat, other, out=flat)
+
+
+allreduce.accepts_src = True  # type: ignore[attr-defined]
 
 
 def barrier(ch: Channel) -> None:

@@ -38,6 +38,10 @@ def load_pyverbs() -> SimpleNamespace:
         import pyverbs.wr as wr
         from pyverbs.pyverbs_error import PyverbsError
     except ImportError as e:
+        if "IBVERBS_PRIVATE" in str(e):  # PyPI's pyverbs N links the system's libibverbs, which must be rdma-core N
+            raise EnvError(f"PYCOLL_TRANSPORT=verbs: pyverbs was built for a newer rdma-core than this system's "
+                           f"libibverbs ({e}); install that rdma-core's libibverbs1 (PyPI's pyverbs 57/59 need "
+                           "rdma-core >= 57, Debian 12 has 44), or use the system Python's python3-pyverbs") from e
         raise EnvError(f"PYCOLL_TRANSPORT=verbs needs pyverbs, which does not import here ({e}); "
                        f"{INSTALL_HINT}") from e
     return SimpleNamespace(addr=addr, cq=cq, device=device, e=enums, mr=mr, pd=pd, qp=qp, wr=wr,
