@@ -127,6 +127,22 @@ def _leaders(topo: Topology, root_host: int = -1, root: int = -1) -> List[int]:
     return [root if h == root_host else m[0] for h, m in enumerate(topo.members)]
 
 
+def _shard(buf: np.ndarray, p: "_Place") -> Tuple[List[int], np.ndarray]:
+    """The element counts of the L shards of `buf` (one per local rank), and this rank's shard."""
+    edges = chunk_edges(buf.size, p.L)
+    return [b - a for a, b in zip(edges, edges[1:])], buf[edges[p.j]:edges[p.j + 1]]
+
+
+def _across_hosts(collective: str, ch: Channel, p: "_Place", shard: np.ndarray, *args: object,
+                  topo: Topology, selector: "Selector") -> None:
+    """Run `collective` on this rank's shard with its peers on the other hosts (the same local index),
+    the L local ranks' copies in parallel sharing each NIC."""
+    if p.H > 1 and shard.size:
+        cross = p.peers()
+        selector.phase(collective, shard.nbytes, topo.subset(cross), p.L)(
+            sub_channel(ch, cross, "hier/cross"), shard, *args)
+
+
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, selector: "Selector") -> None:
     """Hierarchical allreduce, in place (see the module docstring)."""
     if ch.size == 1 or buf.size == 0:
@@ -142,16 +158,11 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, sel
         if p.L > 1:
             tree.broadcast(sub_channel(ch, p.local, "hier/bcast"), buf, 0)
         return
-    edges = chunk_edges(buf.size, p.L)
-    counts = [b - a for a, b in zip(edges, edges[1:])]
-    shard = buf[edges[p.j]:edges[p.j + 1]]
+    counts, shard = _shard(buf, p)
     if p.L > 1:
         shard = np.empty(counts[p.j], buf.dtype)
         ring.reduce_scatter(sub_channel(ch, p.local, "hier/rs"), buf, shard, op, counts)
-    if p.H > 1 and shard.size:
-        cross = p.peers()
-        selector.phase("allreduce", shard.nbytes, topo.subset(cross), p.L)(
-            sub_channel(ch, cross, "hier/cross"), shard, op)
+    _across_hosts("allreduce", ch, p, shard, op, topo=topo, selector=selector)
     if p.L > 1:
         ring.allgather(sub_channel(ch, p.local, "hier/ag"), shard, buf, counts)
 
@@ -170,15 +181,10 @@ def broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, select
         if p.L > 1:
             tree.broadcast(sub_channel(ch, p.local, "hier/bcast"), buf, p.local.index(lead[p.host]))
         return
-    edges = chunk_edges(buf.size, p.L)
-    counts = [b - a for a, b in zip(edges, edges[1:])]
-    shard = buf[edges[p.j]:edges[p.j + 1]]
+    counts, shard = _shard(buf, p)
     if p.host == root_host and p.L > 1:
         linear.scatter(sub_channel(ch, p.local, "hier/scatter"), buf, shard, topo.local_index(root), counts)
-    if p.H > 1 and shard.size:
-        cross = p.peers()
-        selector.phase("broadcast", shard.nbytes, topo.subset(cross), p.L)(
-            sub_channel(ch, cross, "hier/cross"), shard, root_host)
+    _across_hosts("broadcast", ch, p, shard, root_host, topo=topo, selector=selector)
     if p.L > 1:
         ring.allgather(sub_channel(ch, p.local, "hier/ag"), shard, buf, counts)
 
