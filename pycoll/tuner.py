@@ -203,10 +203,10 @@ def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
 MODELED: Dict[str, Tuple[str, ...]] = {
     "allreduce": ("oneshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
                   "hierarchical"),
-    "broadcast": ("tree", "ring", "hierarchical"),
-    "allgather": ("ring", "recursive_doubling", "hierarchical"),
+    "broadcast": ("oneshot", "tree", "ring", "hierarchical"),
+    "allgather": ("oneshot", "ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "halving_doubling"),
-    "reduce": ("tree",),
+    "reduce": ("oneshot", "tree"),
 }
 FLAT = ("flat_ring", "hierarchical", "oneshot")  # never chosen for a phase of a hierarchical algorithm
 
@@ -235,9 +235,17 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     return rnd.msgs * link.alpha + max(nic * streams, mem) + rnd.reduce * params.gamma
 
 
-def oneshot_pattern(nbytes: float, n: int) -> List[Round]:
-    """One board post per rank, then every rank reads (and reduces) the n - 1 others' slots."""
-    return [Round(1, [(a, b, nbytes) for a in range(n) for b in range(n) if a != b], (n - 1) * nbytes)]
+def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> List[Round]:
+    """One board post per rank, then reads of the slots that matter: all of them (allreduce,
+    allgather), the root's (broadcast), or all of them at the root (reduce)."""
+    others = [(a, b) for a in range(n) for b in range(n) if a != b]
+    if collective == "allreduce":
+        return [Round(1, [(a, b, nbytes) for a, b in others], (n - 1) * nbytes)]
+    if collective == "allgather":
+        return [Round(1, [(a, b, nbytes / n) for a, b in others])]
+    if collective == "broadcast":
+        return [Round(1, [(root, b, nbytes) for b in range(n) if b != root])]
+    return [Round(1, [(a, root, nbytes) for a in range(n) if a != root], (n - 1) * nbytes)]  # reduce
 
 
 class Tuner:
@@ -260,7 +268,7 @@ class Tuner:
         if algorithm in ("tree", "binomial"):
             return binomial_pattern(collective, nbytes, n)
         if algorithm == "oneshot":
-            return oneshot_pattern(nbytes, n)
+            return oneshot_pattern(collective, nbytes, n)
         raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
 
     def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,
@@ -268,8 +276,9 @@ class Tuner:
         """Predicted seconds for one call moving `nbytes` (as the Communicator counts them)."""
         if topo.size == 1:
             return 0.0
-        if algorithm == "oneshot" and (topo.nhosts > 1 or nbytes > self.board_bytes):
-            return math.inf  # no board: it would run recursive doubling
+        per_rank = nbytes / topo.size if collective == "allgather" else nbytes
+        if algorithm == "oneshot" and (topo.nhosts > 1 or per_rank > self.board_bytes):
+            return math.inf  # no board: it would run the message-based fallback
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         return sum(round_time(r, topo.host_of, self.params, streams)

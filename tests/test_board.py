@@ -199,3 +199,35 @@ def test_a_rank_that_never_posts_is_named_in_the_timeout():
         peers, msg, took = got
         assert peers == [2] and "board post from rank 2" in msg and "allreduce (call 2" in msg, got
         assert took < 4.0, got
+
+
+def _other_collectives(comm):
+    """broadcast, reduce and allgather through the board (each one board call), and allgatherv with
+    unequal counts through recursive doubling / Bruck (no board call)."""
+    n, r = comm.size, comm.rank
+    out = {}
+    before = max(_board_calls(comm), 0)
+    x = np.arange(5, dtype=np.float64) if r == n - 1 else np.zeros(5)
+    comm.broadcast(x, root=n - 1, algo="oneshot")
+    out["broadcast"] = (x.tolist(), _board_calls(comm) - before)
+    before = _board_calls(comm)
+    y = np.full(3, r + 1, np.int32)
+    comm.reduce(y, root=1, algo="oneshot")
+    out["reduce"] = (y.tolist(), _board_calls(comm) - before)
+    before = _board_calls(comm)
+    g = comm.allgather(np.array([r, 10 * r], np.int16), algo="oneshot")
+    out["allgather"] = (g.tolist(), _board_calls(comm) - before)
+    before = _board_calls(comm)
+    v = comm.allgatherv(np.full(r + 1, r, np.int64), [k + 1 for k in range(n)], algo="oneshot")
+    out["allgatherv"] = (v.tolist(), _board_calls(comm) - before)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcast_reduce_allgather_on_the_board(n):
+    for r, out in enumerate(run_ranks(_other_collectives, n, env=SHM)):
+        assert out["broadcast"] == ([0.0, 1.0, 2.0, 3.0, 4.0], 1)
+        want = [n * (n + 1) // 2] * 3 if r == 1 else [r + 1] * 3  # only the root's buffer changes
+        assert out["reduce"] == (want, 1)
+        assert out["allgather"] == ([[k, 10 * k] for k in range(n)], 1)
+        assert out["allgatherv"] == ([k for k in range(n) for _ in range(k + 1)], 0)

@@ -26,15 +26,17 @@ def _segments(count: int, itemsize: int) -> list:
 
 
 def _segmented_exchange(ch: Channel, tag: int, peer: int, send: np.ndarray, recv: np.ndarray,
-                        op: Optional[ReduceOp], scratch: Optional[np.ndarray] = None) -> None:
+                        op: Optional[ReduceOp], scratch: Optional[np.ndarray] = None,
+                        other: Optional[np.ndarray] = None) -> None:
     """Swap `send` for `recv` with `peer`, segment by segment on tags (tag << 20) + i; with `op`,
-    recv ends as op(incoming, recv), reduced as each segment lands."""
+    recv ends as op(incoming, other) (other: recv itself by default), reduced as each segment lands."""
+    other = recv if other is None else other
     reqs = []
     for i, (a, b) in enumerate(_segments(recv.size, recv.itemsize)):
         if op is None:
             reqs.append(ch.irecv(recv[a:b], peer, (tag << 20) + i))
         else:
-            reqs.append(ch.irecv_reduce(recv[a:b], recv[a:b], peer, (tag << 20) + i, op, scratch[a:b]))
+            reqs.append(ch.irecv_reduce(recv[a:b], other[a:b], peer, (tag << 20) + i, op, scratch[a:b]))
     reqs += [ch.isend(send[a:b], peer, (tag << 20) + i)
              for i, (a, b) in enumerate(_segments(send.size, send.itemsize))]
     ch.wait(*reqs)
@@ -51,9 +53,14 @@ def halving_steps(me: int, p2: int, edges: Sequence[int]) -> Iterator[Tuple[int,
         (lo, hi), mask = keep, mask // 2
 
 
-def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
-    """In-place Rabenseifner allreduce; recursive doubling when there are fewer elements than p'."""
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
+    """Rabenseifner allreduce of `src` into `buf` (in place without `src`); recursive doubling when
+    there are fewer elements than p'. Out of place with a power of two ranks, the first halving step
+    reads `src` and every element of `buf` is written once: no copy of the input first."""
     fold = Fold.of(ch.size)
+    if src is not None and (fold.rem or buf.size < fold.p2 or ch.size == 1):
+        np.copyto(buf, src)  # the fold and recursive doubling work in place
+        src = None
     if ch.size == 1 or buf.size == 0:
         return
     if buf.size < fold.p2:
@@ -64,13 +71,18 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
         edges = chunk_edges(buf.size, fold.p2)
         incoming = np.empty(edges[fold.p2 // 2], buf.dtype)  # the first half is the largest kept part
         steps = list(halving_steps(me, fold.p2, edges))
+        data = buf if src is None else src  # what the first step sends and reduces with
         for tag, (peer, keep, give) in enumerate(steps, FIRST_STEP_TAG):
-            _segmented_exchange(ch, tag, fold.real(peer), buf[give], buf[keep], op,
-                                incoming[:keep.stop - keep.start])
+            _segmented_exchange(ch, tag, fold.real(peer), data[give], buf[keep], op,
+                                incoming[:keep.stop - keep.start], data[keep])
+            data = buf
         for tag, (peer, mine, theirs) in enumerate(doubling_steps(me, fold.p2, edges),
                                                    FIRST_STEP_TAG + len(steps)):
             _segmented_exchange(ch, tag, fold.real(peer), buf[mine], buf[theirs], None)
     fold_out(ch, fold, buf, buf)
+
+
+allreduce.accepts_src = True  # type: ignore[attr-defined]  # the Communicator skips its copy
 
 
 def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp,

@@ -6,14 +6,14 @@ the same decision on every rank.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from ..channel import Channel
 from ..ops import ReduceOp, ufunc
 from . import barrier as dissemination
-from . import recursive_doubling
+from . import recursive_doubling, tree
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
@@ -25,6 +25,14 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
             np.copyto(buf, src)
         recursive_doubling.allreduce(ch, buf, op)
         return
+    _reduce_in_rank_order(inputs, buf, op)
+
+
+allreduce.accepts_src = True  # type: ignore[attr-defined]
+
+
+def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:
+    """buf = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
     flat = buf.reshape(-1)
     np.copyto(flat, inputs[0])
     fn = ufunc(op, buf.dtype)
@@ -32,7 +40,33 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
         fn(flat, other, out=flat)
 
 
-allreduce.accepts_src = True  # type: ignore[attr-defined]
+def reduce(ch: Channel, buf: np.ndarray, op: ReduceOp, root: int) -> None:
+    """Every rank posts; only `root` reduces (the others' buffers stay as they were)."""
+    inputs = ch.board_exchange(buf)
+    if inputs is None:
+        tree.reduce(ch, buf, op, root)
+    elif ch.rank == root:
+        _reduce_in_rank_order(inputs, buf, op)
+
+
+def broadcast(ch: Channel, buf: np.ndarray, root: int) -> None:
+    """Every rank posts (the root's post is the data), the others copy the root's slot."""
+    inputs = ch.board_exchange(buf)
+    if inputs is None:
+        tree.broadcast(ch, buf, root)
+    elif ch.rank != root:
+        np.copyto(buf.reshape(-1), inputs[root])
+
+
+def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None) -> None:
+    """Every rank posts its block and copies everyone's into `recv` (equal blocks only: allgatherv
+    with unequal counts runs recursive doubling / Bruck)."""
+    inputs = ch.board_exchange(send) if counts is None or len(set(counts)) == 1 else None
+    if inputs is None:
+        recursive_doubling.allgather(ch, send, recv, counts)
+        return
+    for k, block in enumerate(inputs):
+        recv[k * send.size:(k + 1) * send.size] = block
 
 
 def barrier(ch: Channel) -> None:

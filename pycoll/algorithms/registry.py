@@ -22,10 +22,12 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
                   "hierarchical": "hierarchical:allreduce", "flat_ring": "ring:allreduce",
                   "oneshot": "oneshot:allreduce",
                   "mpi_native": "mpi_native:allreduce"},
-    "broadcast": {"tree": "tree:broadcast", "ring": "hierarchical:ring_broadcast",
+    "broadcast": {"oneshot": "oneshot:broadcast", "tree": "tree:broadcast",
+                  "ring": "hierarchical:ring_broadcast",
                   "hierarchical": "hierarchical:broadcast", "mpi_native": "mpi_native:broadcast"},
-    "reduce": {"tree": "tree:reduce", "mpi_native": "mpi_native:reduce"},
-    "allgather": {"ring": "hierarchical:ring_allgather", "recursive_doubling": "recursive_doubling:allgather",
+    "reduce": {"oneshot": "oneshot:reduce", "tree": "tree:reduce", "mpi_native": "mpi_native:reduce"},
+    "allgather": {"oneshot": "oneshot:allgather", "ring": "hierarchical:ring_allgather",
+                  "recursive_doubling": "recursive_doubling:allgather",
                   "hierarchical": "hierarchical:allgather", "mpi_native": "mpi_native:allgather"},
     "reduce_scatter": {"ring": "hierarchical:ring_reduce_scatter",
                        "halving_doubling": "halving_doubling:reduce_scatter",
@@ -186,9 +188,13 @@ def default_order(collective: str, nbytes: int, size: int) -> List[str]:
             return ["halving_doubling", "ring", "tree", "recursive_doubling", "binomial"]
         return ["ring", "halving_doubling", "tree", "recursive_doubling", "binomial"]
     if collective == "broadcast":
-        return ["tree", "ring"] if nbytes <= (1 << 20) else ["ring", "tree"]
-    if collective == "allgather":
-        return ["recursive_doubling", "ring"] if nbytes <= (64 << 10) else ["ring", "recursive_doubling"]
+        small = ["oneshot"] if nbytes <= SLOT_BYTES else []
+        return small + (["tree", "ring"] if nbytes <= (1 << 20) else ["ring", "tree"])
+    if collective == "allgather":  # nbytes: the whole result; a board slot holds one rank's block
+        small = ["oneshot"] if nbytes <= SLOT_BYTES * size else []
+        return small + (["recursive_doubling", "ring"] if nbytes <= (64 << 10) else ["ring", "recursive_doubling"])
+    if collective == "reduce":
+        return (["oneshot"] if nbytes <= SLOT_BYTES else []) + ["tree"]
     if collective == "reduce_scatter":
         return ["halving_doubling", "ring"] if pow2 and nbytes <= (1 << 20) else ["ring", "halving_doubling"]
     return list(IMPLEMENTATIONS[collective])
