@@ -26,7 +26,10 @@ def run_bench(n: int, transport: str, lo: str, hi: str, iters: int, out: str) ->
     """One bench run under mpirun; returns its table (rank 0's stdout)."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo", "PYTHONPATH": ROOT}
-    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n),
+    # ranks bound round-robin to cores (two per core at N=4 here): the scheduler then never stacks three
+    # spinning ranks on one core, which made small-message times bimodal (28 or 65 us) from run to run
+    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", "core:overload-allowed",
+           "-np", str(n),
            sys.executable, "-m", "pycoll", "bench", "allreduce", "-b", lo, "-e", hi, "-f", "2",
            "-n", str(iters), "-w", "3", "--transport", transport, "--compare", "mpi,gloo", "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000, cwd=ROOT)
@@ -71,7 +74,8 @@ pycoll, Open MPI's own `MPI_Allreduce` (mpi4py, buffer interface) and torch Gloo
 measured on the same sizes in the same processes. Times are the slowest rank's mean over
 {args.iters} iterations; `xmpi`/`xgloo` = peer time / pycoll time doing the same thing (above 1 = pycoll faster): Gloo's
 in-place `all_reduce` against pycoll in place, MPI's out-of-place `Allreduce` against pycoll out of place;
-busbw = algbw x 2(n-1)/n (nccl-tests). Ranks outnumber or equal the cores, so numbers are noisy.
+busbw = algbw x 2(n-1)/n (nccl-tests). Ranks are bound to cores round-robin (`mpirun --bind-to
+core:overload-allowed`); they outnumber or equal the cores, so numbers are noisy.
 
 """
     with open(os.path.join(HERE, "benchmarks.md"), "w") as fh:
