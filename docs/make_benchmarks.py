@@ -26,8 +26,8 @@ def run_bench(n: int, transport: str, lo: str, hi: str, iters: int, out: str) ->
     """One bench run under mpirun; returns its table (rank 0's stdout)."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo", "PYTHONPATH": ROOT}
-    # ranks bound round-robin to cores (two per core at N=4 here): the scheduler then never stacks three
-    # spinning ranks on one core, which made small-message times bimodal (28 or 65 us) from run to run
+    # ranks bound round-robin to cores (two per core at N=4 here): unbound, pycoll's 8-byte allreduce
+    # took 28 or 65 us from one run to the next (measured); bound, about 31 us every time
     cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", "core:overload-allowed",
            "-np", str(n),
            sys.executable, "-m", "pycoll", "bench", "allreduce", "-b", lo, "-e", hi, "-f", "2",
