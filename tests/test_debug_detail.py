@@ -129,3 +129,21 @@ def test_detail_has_no_false_positives_on_the_collective_matrix():
     results = run_ranks(run_matrix, 3, tuple(IMPLEMENTATIONS), False, timeout=170, env=DETAIL)
     assert all(r["checked"] > 500 and not r["failures"] for r in results), [r["failures"][:3] for r in results]
     assert len({tuple(r["digests"]) for r in results}) == 1
+
+
+@pytest.fixture(scope="module")
+def plain_shm():
+    """The same mismatches over shm, where these small calls run on the shared-memory board."""
+    return run_ranks(_mismatches, 2, env={"PYCOLL_TRANSPORT": "shm", "PYCOLL_TIMEOUT": "3"}, timeout=120)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_without_detail_the_board_turns_every_mismatch_into_a_protocol_error(plain_shm, case):
+    """Board posts carry their size and a signature (dtype, collective, op, root), so over shm even the
+    op and root mismatches that tcp cannot see are caught; allgatherv keeps to messages."""
+    for rank, outcomes in enumerate(plain_shm):
+        got = outcomes[case]
+        assert got["error"] == "ProtocolError", (rank, got)
+        assert "different sizes" in got["message"] or "different collectives" in got["message"], (rank, got)
+        assert got["took"] < 2 and got["after"], (rank, got)

@@ -5,7 +5,9 @@ one lane on each of its ranks, agreed once over the transport's own messages. A 
 and two slots of SLOT_BYTES: at its b-th board call a rank copies its input into slot b % 2 and
 publishes b; once every member has published b, each reads every member's slot b % 2. A rank
 publishes b + 1 only after it has finished reading call b, so a slot is overwritten (at call b + 2)
-only after every member is done with it: no other flag is needed. Lanes are never handed back (a
+only after every member is done with it: no other flag is needed. Each post also carries its byte
+count and a signature (dtype, and the algorithm's collective, op and root): a rank whose peers
+posted something else raises ProtocolError, as a mismatched message would over any transport. Lanes are never handed back (a
 peer may still read the last call's slot), so a process that creates more than LANES single-host
 communicators runs the later ones without a board.
 """
@@ -16,6 +18,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import ProtocolError
 from .base import MsgKey, Request
 
 LANES = 16
@@ -26,7 +29,9 @@ HANDSHAKE_TAG = -2  # the lane agreement's messages (algorithms use tags >= 0)
 SPIN_YIELDS = 256   # yields of the CPU spent looking for late posts before the transport's blocking wait
 # int64 indices of a lane's control block (one 64-byte line per lane)
 _LINE = 8
-_CLAIMED, _OWNER, _POSTED = 0, 1, 2
+# ... and per slot (parity) the byte count and signature of its post: a peer may already be one call
+# ahead, so the words of the call being checked must not be those it overwrites
+_CLAIMED, _OWNER, _POSTED, _NBYTES, _SIG = 0, 1, 2, 3, 4  # _NBYTES/_SIG + 2 * parity
 
 
 def claim_lane(ctrl: memoryview, comm_id: int) -> int:
@@ -76,7 +81,7 @@ class ShmBoard:
     def __init__(self, rank: int, comm_id: int, members: Sequence[int], lanes: Dict[int, int],
                  ctrls: Dict[int, memoryview], boards: Dict[int, memoryview],
                  wake: Callable[[Sequence[int]], None],
-                 wait: Callable[[Sequence[Request], float, str], None]) -> None:
+                 wait: Callable[[Sequence[Request], float, object], None]) -> None:
         self.rank, self.comm_id, self.members = rank, comm_id, list(members)
         self._lanes, self._ctrls = lanes, ctrls
         self._counter = {m: lanes[m] * _LINE + _POSTED for m in members}  # index into ctrls[m]
@@ -86,19 +91,24 @@ class ShmBoard:
         self._wake, self._wait = wake, wait
         self.calls = 0
 
-    def exchange(self, data: np.ndarray, order: Sequence[int], timeout: float, what: object) -> List[np.ndarray]:
-        """Post `data` (flat, at most slot_bytes), wait until every member has posted this call, and
-        return the members' arrays in `order` (global ranks), views into their slots that stay valid
-        until this rank's next call but one."""
+    def exchange(self, data: np.ndarray, sig: int, order: Sequence[int], timeout: float,
+                 what: object) -> List[np.ndarray]:
+        """Post `data` (flat, at most slot_bytes) with signature `sig`, wait until every member has
+        posted this call, and return the members' arrays in `order` (global ranks), views into their
+        slots that stay valid until this rank's next call but one. ProtocolError if a member posted
+        another byte count or signature."""
         self.calls = b = self.calls + 1
         parity, count = b & 1, data.size
-        key = (parity, data.dtype, tuple(order))
-        typed = self._typed.get(key)
+        layout = (parity, data.dtype, tuple(order))
+        typed = self._typed.get(layout)
         if typed is None:
-            typed = self._typed[key] = [self._bytes[parity][m].view(data.dtype) for m in order]
+            typed = self._typed[layout] = [self._bytes[parity][m].view(data.dtype) for m in order]
         self._bytes[parity][self.rank][:data.nbytes] = data.view(np.uint8)
         ctrls, at = self._ctrls, self._counter
-        ctrls[self.rank][at[self.rank]] = b
+        words = 2 * parity - _POSTED  # from a lane's counter to this parity's byte count and signature
+        mine = ctrls[self.rank]
+        mine[at[self.rank] + _NBYTES + words], mine[at[self.rank] + _SIG + words] = data.nbytes, sig
+        mine[at[self.rank]] = b
         self._wake(self._others)
         late = [p for p in self._others if ctrls[p][at[p]] < b]
         spins = SPIN_YIELDS
@@ -108,6 +118,14 @@ class ShmBoard:
             while late and ctrls[late[-1]][at[late[-1]]] >= b:
                 late.pop()
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
-            key_ = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
-            self._wait([_Posted(p, key_, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
+            key = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
+            self._wait([_Posted(p, key, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
+        for p in self._others:
+            theirs = ctrls[p][at[p] + _NBYTES + words], ctrls[p][at[p] + _SIG + words]
+            if theirs != (data.nbytes, sig):
+                raise ProtocolError(
+                    f"{what}: rank {self.rank}: rank {p}'s board post carries {theirs[0]} bytes with signature "
+                    f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
+                    "ranks call different collectives, or the same one with different sizes, dtypes, ops or "
+                    "roots?", p)
         return [a[:count] for a in typed]
