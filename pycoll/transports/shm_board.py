@@ -120,9 +120,11 @@ class ShmBoard:
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
             key = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
             self._wait([_Posted(p, key, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
+        nbytes = data.nbytes
         for p in self._others:
-            theirs = ctrls[p][at[p] + _NBYTES + words], ctrls[p][at[p] + _SIG + words]
-            if theirs != (data.nbytes, sig):
+            ctrl, i = ctrls[p], at[p] + words
+            if ctrl[i + _NBYTES] != nbytes or ctrl[i + _SIG] != sig:
+                theirs = ctrl[i + _NBYTES], ctrl[i + _SIG]
                 raise ProtocolError(
                     f"{what}: rank {self.rank}: rank {p}'s board post carries {theirs[0]} bytes with signature "
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
