@@ -278,13 +278,17 @@ def _fake_hosts(rank, transport):
         gathered = np.array_equal(comm.allgather(np.full(5, r)), np.arange(n).repeat(5).reshape(n, 5))
         a2a = comm.alltoall(np.arange(n * 4, dtype=np.int32) + 100 * r)
         want = np.concatenate([np.arange(4 * r, 4 * r + 4, dtype=np.int32) + 100 * i for i in range(n)])
-        return comm.transport.name, bool(total), bool(gathered), bool(np.array_equal(a2a, want))
+        tcp = getattr(comm.transport, "_tcp", None)
+        return (comm.transport.name, bool(total), bool(gathered), bool(np.array_equal(a2a, want)),
+                None if tcp is None else tcp.peers)
 
 
 @pytest.mark.timeout(90)
 def test_auto_mixes_shm_and_tcp_on_two_fake_hosts():
-    for got in run_ranks(_fake_hosts, 4, "auto", init=False, timeout=80):
-        assert got == ("auto(shm+tcp)", True, True, True)
+    """Ranks 0, 2 on one fake host and 1, 3 on the other: tcp connects each rank only to the other
+    host's ranks (and itself), shm serves its host."""
+    for r, got in enumerate(run_ranks(_fake_hosts, 4, "auto", init=False, timeout=80)):
+        assert got == ("auto(shm+tcp)", True, True, True, sorted({r, (r + 1) % 4, (r + 3) % 4}))
 
 
 def _transport_name(comm):

@@ -25,10 +25,10 @@ class AutoTransport(Transport):
                  hosts: Optional[List[str]] = None) -> None:
         super().__init__(rank, size)
         hosts = hosts or [""] * size
-        local = sum(h == hosts[rank] for h in hosts)
-        self._tcp = TcpTransport(rank, size, address, hosts) if local < size else None
+        remote = [r for r in range(size) if hosts[r] != hosts[rank]]
+        self._tcp = TcpTransport(rank, size, address, hosts, peers=remote) if remote else None
         self._shm = ShmTransport(rank, size, address, hosts, local_only=True) \
-            if local > 1 or self._tcp is None else None
+            if len(remote) < size - 1 or self._tcp is None else None
         self._route = [self._shm if self._shm is not None and hosts[r] == hosts[rank] else self._tcp
                        for r in range(size)]
         self.name = "auto(" + "+".join(t.name for t in (self._shm, self._tcp) if t is not None) + ")"

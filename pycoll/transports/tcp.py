@@ -64,8 +64,10 @@ class TcpTransport(Transport):
     supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
-                 hosts: Optional[List[str]] = None) -> None:
+                 hosts: Optional[List[str]] = None, *, peers: Optional[Sequence[int]] = None) -> None:
+        """`peers`: the ranks to connect to (default all; AutoTransport passes those on other hosts)."""
         super().__init__(rank, size)
+        self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
         self._ctx = zmq.Context(io_threads=IO_THREADS)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.RCVHWM, 0)
@@ -111,7 +113,7 @@ class TcpTransport(Transport):
         self._token = token
         store.set(f"tcp/{self.rank}", f"{self.endpoint} {self._bulk.endpoint}".encode())
         bulk_endpoints: Dict[int, str] = {}
-        for peer in range(self.size):
+        for peer in self.peers:
             endpoint, bulk_endpoint = store.get(f"tcp/{peer}", timeout).decode().split()
             if peer != self.rank:
                 bulk_endpoints[peer] = bulk_endpoint
@@ -131,9 +133,9 @@ class TcpTransport(Transport):
             sock.send_multipart([wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello])
             self._dealers[peer] = sock
         deadline = time.monotonic() + timeout
-        while len(set(self._ident_rank.values())) < self.size:
+        while not set(self.peers) <= set(self._ident_rank.values()):
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.size)) - set(self._ident_rank.values()))
+                missing = sorted(set(self.peers) - set(self._ident_rank.values()))
                 raise TimeoutError(f"rank {self.rank}: tcp transport heard no authenticated hello from "
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             with self._io:
@@ -147,6 +149,9 @@ class TcpTransport(Transport):
             return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
+        if sock is None:
+            raise ValueError(f"rank {self.rank}: this tcp transport does not connect to rank {peer} "
+                             f"(it serves ranks {self.peers})")
         if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
             return self._bulk_send(req, peer, key, dtype)
         with self._send_locks[peer]:
