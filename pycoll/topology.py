@@ -66,6 +66,7 @@ class RankInfo:
     numa: int = -1
     nics: Tuple[Nic, ...] = ()
     rdma: Tuple[str, ...] = ()
+    cores: int = 0  # CPUs the host has (0: unknown); ranks beyond that share cores
 
     def to_json(self) -> str:
         """The store record of this rank."""
@@ -77,7 +78,7 @@ class RankInfo:
         d = json.loads(text)
         return cls(host=d["host"], hostname=d.get("hostname", ""), numa=int(d.get("numa", -1)),
                    nics=tuple(Nic(n["name"], n.get("speed"), n.get("address")) for n in d.get("nics", ())),
-                   rdma=tuple(d.get("rdma", ())))
+                   rdma=tuple(d.get("rdma", ())), cores=int(d.get("cores", 0)))
 
 
 def _read(path: str) -> Optional[str]:
@@ -162,7 +163,7 @@ def detect(rank: int, topo_file: Optional[Dict[str, Any]] = None) -> RankInfo:
         if "nics" in over else nics()
     return RankInfo(host=host or host_id(), hostname=socket.gethostname(),
                     numa=int(over.get("numa", numa_node())), nics=tuple(nic_list),
-                    rdma=tuple(over.get("rdma", rdma_devices())))
+                    rdma=tuple(over.get("rdma", rdma_devices())), cores=int(over.get("cores", os.cpu_count() or 0)))
 
 
 @dataclass
@@ -183,9 +184,10 @@ class Topology:
         self.layout = tuple(self.host_of)
 
     @classmethod
-    def from_hosts(cls, hosts: Sequence[Any]) -> "Topology":
-        """A topology that knows only which host each rank is on (hosts[r] is any label)."""
-        return cls([RankInfo(host=str(h)) for h in hosts])
+    def from_hosts(cls, hosts: Sequence[Any], cores: int = 0) -> "Topology":
+        """A topology that knows only which host each rank is on (hosts[r] is any label), and
+        optionally how many cores every host has."""
+        return cls([RankInfo(host=str(h), cores=cores) for h in hosts])
 
     @property
     def size(self) -> int:
@@ -201,6 +203,11 @@ class Topology:
     def uniform(self) -> bool:
         """True when every host has the same number of ranks."""
         return len({len(m) for m in self.members}) == 1
+
+    @property
+    def cores(self) -> List[int]:
+        """Cores per host index (the fewest any of its ranks reported; 0 when unknown)."""
+        return [min(self.ranks[r].cores for r in m) for m in self.members]
 
     @property
     def per_host(self) -> int:

@@ -4,9 +4,14 @@ fed by a short calibration probe at init; the Selector asks it for the cheapest 
 Each algorithm is described by its communication pattern on the communicator's topology: a list of
 rounds, each with a count of back-to-back messages and the (src, dst, bytes) transfers it makes.
 
-    round time = messages * alpha(link) + max(NIC time, shm time) + reduced bytes * gamma
+    round time = messages * alpha(link) + max(NIC time, shm time * crowd) + reduced bytes * gamma * crowd
     NIC time   = max over hosts of max(bytes out, bytes in) across hosts * beta(net) * streams
     shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
+    crowd      = max over hosts of (ranks busy in the round / the host's cores), at least 1
+
+Copies and reductions are CPU work, so ranks that share a core do them in turn: 4 ranks on 2 cores
+pay twice the bytes of a round where all of them move data (measured over tcp at 1 MiB: recursive
+doubling 5.8 ms, halving-doubling, which moves and reduces fewer bytes in more rounds, 3.7 ms).
 
 A round uses the net alpha when any of its transfers crosses hosts; `streams` is how many copies of
 the pattern share each NIC (the parallel inter-host phase of the hierarchical algorithms). So a ring
@@ -211,8 +216,19 @@ MODELED: Dict[str, Tuple[str, ...]] = {
 FLAT = ("flat_ring", "hierarchical", "oneshot")  # never chosen for a phase of a hierarchical algorithm
 
 
-def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1) -> float:
-    """Seconds one round takes on ranks placed on hosts `host_of`."""
+def crowding(rnd: Round, host_of: Sequence[int], cores: Sequence[int]) -> float:
+    """How many of a round's busy ranks share each core, at worst (at least 1): ranks on one core
+    copy and reduce in turn, so their bytes cost that many times more (cores[h] = 0: unknown)."""
+    busy: Dict[int, set] = {}
+    for src, dst, _ in rnd.pairs:
+        busy.setdefault(host_of[src], set()).add(src)
+        busy.setdefault(host_of[dst], set()).add(dst)
+    return max([1.0] + [len(ranks) / cores[h] for h, ranks in busy.items() if h < len(cores) and cores[h]])
+
+
+def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1,
+               cores: Sequence[int] = ()) -> float:
+    """Seconds one round takes on ranks placed on hosts `host_of`, with cores[h] cores on host h."""
     nic_out: Dict[int, float] = {}
     nic_in: Dict[int, float] = {}
     mem_out: Dict[int, float] = {}
@@ -232,7 +248,8 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
         nic_bytes = max((nic_out.get(h, 0.0) + nic_in.get(h, 0.0) for h in set(nic_out) | set(nic_in)), default=0.0)
     nic = nic_bytes * params.net.beta
     mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
-    return rnd.msgs * link.alpha + max(nic * streams, mem) + rnd.reduce * params.gamma
+    crowd = crowding(rnd, host_of, cores)
+    return rnd.msgs * link.alpha + max(nic * streams, mem * crowd) + rnd.reduce * params.gamma * crowd
 
 
 def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> List[Round]:
@@ -281,7 +298,7 @@ class Tuner:
             return math.inf  # no board: it would run the message-based fallback
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
-        return sum(round_time(r, topo.host_of, self.params, streams)
+        return sum(round_time(r, topo.host_of, self.params, streams, topo.cores)
                    for r in self.pattern(collective, algorithm, nbytes, topo))
 
     def rank(self, collective: str, nbytes: float, topo: Topology, candidates: Iterable[str],
@@ -302,7 +319,7 @@ class Tuner:
         H, L = topo.nhosts, topo.per_host
         if H == 1:
             return self.predict(collective, "ring", nbytes, topo)
-        local = Topology.from_hosts([0] * L)
+        local = Topology.from_hosts([0] * L, min(topo.cores))
         cross = Topology.from_hosts(range(H))
         if L == 1:
             return self.best_phase(collective, nbytes, cross, 1)[1]
@@ -314,18 +331,20 @@ class Tuner:
                         + self.predict("allgather", "ring", nbytes, local))
             if collective == "broadcast":
                 scatter = Round(1, [(0, k, shard) for k in range(1, L)])
-                return round_time(scatter, local.host_of, self.params) + inter + \
+                return round_time(scatter, local.host_of, self.params, 1, local.cores) + inter + \
                     self.predict("allgather", "ring", nbytes, local)
             return inter + self.predict("allgather", "ring", nbytes, local) + nbytes * self.params.shm.beta
         inter = self.best_phase(collective, nbytes, cross, 1)[1]
-        bcast = sum(round_time(r, local.host_of, self.params) for r in binomial_pattern("broadcast", nbytes, L))
+        bcast = sum(round_time(r, local.host_of, self.params, 1, local.cores)
+                    for r in binomial_pattern("broadcast", nbytes, L))
         if collective == "allreduce":
-            reduce = sum(round_time(r, local.host_of, self.params) for r in binomial_pattern("reduce", nbytes, L))
+            reduce = sum(round_time(r, local.host_of, self.params, 1, local.cores)
+                         for r in binomial_pattern("reduce", nbytes, L))
             return reduce + inter + bcast
         if collective == "broadcast":
             return inter + bcast
         gather = round_time(Round(1, [(k, 0, nbytes / topo.size) for k in range(1, L)]), local.host_of,
-                            self.params)
+                            self.params, 1, local.cores)
         return gather + inter + bcast + nbytes * self.params.shm.beta
 
     def table(self, topo: Topology, sizes: Sequence[int], collectives: Sequence[str] = tuple(MODELED),

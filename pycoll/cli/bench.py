@@ -123,16 +123,29 @@ def pycoll_call(comm: Any, case: Case, x: np.ndarray, out: Optional[np.ndarray],
     return lambda: comm.alltoall(x, out=out, **kw)
 
 
-def time_it(barrier: Callable[[], Any], call: Callable[[], Any], iters: int, warmup: int,
-            reduce_max: Callable[[float], float]) -> float:
-    """Mean seconds per call, the slowest rank's."""
-    for _ in range(warmup):
-        call()
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    return reduce_max((time.perf_counter() - t0) / max(iters, 1))
+def time_rounds(barrier: Callable[[], Any], calls: Dict[str, Callable[[], Any]], iters: int, warmup: int,
+                rounds: int, reduce_max: Callable[[np.ndarray], np.ndarray]) -> Dict[str, float]:
+    """Seconds per call of each variant: its `iters` calls split over `rounds` rounds that take the
+    variants in turn (order rotating), so a burst of noise on a shared machine falls on all of them
+    alike; a variant's time is the median over rounds of the slowest rank's mean in that round."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    rounds = max(1, min(rounds, iters))
+    names = list(calls)
+    means = np.zeros((len(names), rounds))
+    base, extra = divmod(iters, rounds)
+    for r in range(rounds):
+        count, turn = base + (r < extra), r % len(names)
+        for i in list(range(turn, len(names))) + list(range(turn)):
+            call = calls[names[i]]
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                call()
+            means[i, r] = (time.perf_counter() - t0) / count
+    slowest = reduce_max(means)
+    return {name: float(np.median(slowest[i])) for i, name in enumerate(names)}
 
 
 def count_wrong(got: Optional[np.ndarray], want: Optional[np.ndarray]) -> int:
@@ -221,7 +234,9 @@ class Peers:
 def header(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> str:
     cols = ["#", f"# pycoll bench {args.collective}: {comm.size} ranks ({comm.local_size} on this host), "
                  f"transport {comm.transport.name}, algorithm {algo}, dtype {args.dtype}, op {args.op}, "
-                 f"iters {args.iters}, warmup {args.warmup}, check {args.check}"]
+                 f"iters {args.iters}, warmup {args.warmup}, check {args.check}",
+            f"# time = median over {max(1, min(args.rounds, args.iters))} rounds of the slowest rank's mean; "
+            "each round times every column in turn"]
     cols += [f"# {note}" for note in peers.notes]
     cols += [f"# x{name} = {name} time / pycoll {'in-place' if Peers.compare_with(name, args.collective) == 'in' else 'out-of-place'} time "
              "(like with like)" for name in peer_names(peers)]
@@ -246,8 +261,8 @@ def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> 
     spec = SPECS[args.collective]
     root = args.root if spec.rooted else -1
 
-    def reduce_max(v: float) -> float:
-        return float(comm.allreduce(np.array([v]), op="max")[0])
+    def reduce_max(v: np.ndarray) -> np.ndarray:
+        return comm.allreduce(np.ascontiguousarray(v, np.float64), op="max")
 
     rows = []
     if comm.rank == 0:
@@ -258,21 +273,23 @@ def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> 
                                "transport": comm.transport.name, "size": case.nbytes, "count": case.count,
                                "type": args.dtype, "redop": args.op if spec.reduces else "none",
                                "root": root}
-        for place in ("out", "in"):
+        calls: Dict[str, Callable[[], Any]] = {}
+        wrong = np.zeros(2, np.int64)
+        for i, place in enumerate(("out", "in")):
             inplace_gather = place == "in" and args.collective == "allgather"
             x = _allgather_inplace(case) if inplace_gather else case.inputs()
-            call = pycoll_call(comm, case, x, case.out_buffer() if place == "out" else None, algo, args.op)
-            wrong = count_wrong(call(), case.expected()) if args.check else 0
-            with np.errstate(all="ignore"):  # repeated in-place sums may overflow; timing only
-                t = time_it(comm.barrier, call, args.iters, args.warmup, reduce_max)
-            wrong = int(comm.allreduce(np.array([wrong], np.int64))[0])
-            row[place] = _scores(case, spec, comm.size, t, wrong)
+            calls[place] = pycoll_call(comm, case, x, case.out_buffer() if place == "out" else None, algo, args.op)
+            wrong[i] = count_wrong(calls[place](), case.expected()) if args.check else 0
+        wrong = comm.allreduce(wrong)
         for name in peer_names(peers):
-            x, out = case.inputs(), case.out_buffer()
-            call = getattr(peers, f"{name}_call")(case, x, out)
-            with np.errstate(all="ignore"):
-                t = time_it(comm.barrier, call, args.iters, args.warmup, reduce_max)
-            row[name] = dict(_scores(case, spec, comm.size, t, 0), vs=Peers.compare_with(name, args.collective))
+            calls[name] = getattr(peers, f"{name}_call")(case, case.inputs(), case.out_buffer())
+        with np.errstate(all="ignore"):  # repeated in-place sums may overflow; timing only
+            times = time_rounds(comm.barrier, calls, args.iters, args.warmup, args.rounds, reduce_max)
+        for i, place in enumerate(("out", "in")):
+            row[place] = _scores(case, spec, comm.size, times[place], int(wrong[i]))
+        for name in peer_names(peers):
+            row[name] = dict(_scores(case, spec, comm.size, times[name], 0),
+                             vs=Peers.compare_with(name, args.collective))
         rows.append(row)
         if comm.rank == 0:
             print(format_row(row, peer_names(peers)), flush=True)
@@ -355,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"))
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-w", "--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="split the iterations over this many rounds, columns interleaved (median reported)")
     p.add_argument("-c", "--check", type=int, default=1)
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-o", "--op", default="sum")
