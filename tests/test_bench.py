@@ -1,0 +1,115 @@
+"""`pycoll bench`: the nccl-tests table and its arithmetic, interleaved timing rounds, the peers'
+columns (Gloo under `pycoll run`, Open MPI under mpirun), --json and --plot."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pycoll.cli import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = shutil.which("mpirun")
+ROW = re.compile(r"^(?:\[rank 0\] )?\s+(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+(.*)$")
+
+
+def test_sizes_and_nccl_tests_bus_factors():
+    assert bench.parse_size("64M") == 64 << 20 and bench.parse_size("8") == 8 and bench.parse_size("1K") == 1024
+    assert bench.sizes(8, 64 << 10, 8, 0) == [8, 64, 512, 4096, 32768]
+    assert bench.sizes(1 << 20, 3 << 20, 1, 1 << 20) == [1 << 20, 2 << 20, 3 << 20]
+    factors = {name: spec.factor(4) for name, spec in bench.SPECS.items()}
+    assert factors == {"allreduce": 1.5, "reduce_scatter": 0.75, "allgather": 0.75, "alltoall": 0.75,
+                       "broadcast": 1.0, "reduce": 1.0}
+
+
+def test_count_wrong_counts_elements():
+    want = np.arange(10, dtype=np.float32)
+    got = want.copy()
+    got[[2, 7]] = -1
+    assert bench.count_wrong(got, want) == 2 and bench.count_wrong(want, want) == 0
+
+
+def test_rounds_interleave_variants_and_report_the_median():
+    """Every variant gets warmup + iters calls, in rounds whose order rotates; a stall in one round
+    moves its mean but not the median."""
+    order, calls = [], {"a": 0, "b": 0, "c": 0}
+
+    def make(name):
+        def call():
+            calls[name] += 1
+            order.append(name)
+            stalled = name == "b" and calls[name] == 2 + 4 * 2 + 1  # first call of b's third round
+            time.sleep(0.05 if stalled else 0.001)
+        return call
+
+    times = bench.time_rounds(lambda: order.append("|"), {k: make(k) for k in calls}, 20, 2, 5,
+                              lambda a: np.asarray(a))
+    assert calls == {"a": 22, "b": 22, "c": 22}
+    turns = "".join(order[6:]).split("|")[1:]  # a barrier, then one variant's calls of one round
+    assert [len(t) for t in turns] == [4] * 15 and [t[0] for t in turns] == list("abcbcacababcbca")
+    assert all(0.0009 < t < 0.01 for t in times.values()), times  # the 50 ms stall is not the median
+
+
+def run_bench(launcher, n, *args, timeout=150):
+    """Run `pycoll bench ARGS` on n ranks with `launcher` ("pycoll" or "mpirun"); rank 0's rows."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYCOLL_STORE_HOSTED", "PYCOLL_JOB_TOKEN"):
+        env.pop(var, None)
+    prog = [sys.executable, "-m", "pycoll", "bench", *args]
+    cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(n), *prog] if launcher == "pycoll" else \
+        [MPIRUN, "--oversubscribe", "-np", str(n), *prog]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ROW.match(line).groups() for line in proc.stdout.splitlines() if ROW.match(line)]
+    return proc.stdout, rows
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_table_json_plot_and_gloo_column(tmp_path):
+    """3 ranks over tcp: one row per size, nothing wrong, busbw = algbw * 2(n-1)/n, the Gloo ratio is
+    its time over pycoll's in-place time, and --json/--plot write what the table shows."""
+    gloo = pytest.importorskip("torch") is not None
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "bw.png"
+    text, rows = run_bench("pycoll", 3, "allreduce", "-b", "8", "-e", "64K", "-f", "8", "-n", "4", "-w", "1",
+                           "--transport", "tcp", "--compare", "gloo", "--json", str(out_json),
+                           "--plot", str(out_png))
+    assert "# Out of bounds values : 0 OK" in text and "# Avg bus bandwidth" in text
+    assert [int(r[0]) for r in rows] == [8, 64, 512, 4096, 32768]
+    saved = json.loads(out_json.read_text())
+    assert [r["size"] for r in saved] == [8, 64, 512, 4096, 32768]
+    for (size, count, dtype, redop, root, rest), row in zip(rows, saved):
+        cells = rest.split()
+        assert (int(count), dtype, redop, root) == (int(size) // 4, "float", "sum", "-1")
+        t_out, algbw, busbw, wrong_out, t_in, _, _, wrong_in = (float(c) for c in cells[:8])
+        assert wrong_out == 0 and wrong_in == 0 and t_out > 0 and t_in > 0
+        assert row["out"]["busbw"] == pytest.approx(row["out"]["algbw"] * 4 / 3)
+        assert row["out"]["algbw"] == pytest.approx(int(size) / (row["out"]["time_us"] * 1e-6) / 1e9)
+        assert float(t_out) == pytest.approx(row["out"]["time_us"], abs=0.06)
+        if gloo:
+            assert cells[8:] and cells[9].endswith("x")
+            assert float(cells[9][:-1]) == pytest.approx(row["gloo"]["time_us"] / row["in"]["time_us"], rel=0.01,
+                                                         abs=0.006)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+@pytest.mark.parametrize("collective", ["reduce_scatter", "broadcast", "allgather"])
+def test_under_mpirun_with_the_mpi_column(collective):
+    pytest.importorskip("mpi4py")
+    text, rows = run_bench("mpirun", 2, collective, "-b", "1K", "-e", "1M", "-f", "32", "-n", "3", "-w", "1",
+                           "--compare", "mpi", "--algo", "all")
+    assert "xmpi = mpi time / pycoll out-of-place time" in text
+    assert "# Out of bounds values : 0 OK" in text
+    algos = re.findall(r"algorithm (\w+),", text)
+    assert len(algos) >= 2 and len(rows) == 3 * len(algos)  # 1K, 32K and 1M for every algorithm
+    for *_, rest in rows:
+        cells = rest.split()
+        assert cells[3] == "0" and cells[7] == "0" and cells[9].endswith("x")
