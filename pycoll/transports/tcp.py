@@ -38,11 +38,15 @@ IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
 SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
+_WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
 _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
 ORDINAL = struct.Struct("<Q")  # after a data header: the message's place in its sender's order to us
+# zmq's flags as plain ints: the hot path pays for every IntFlag | and & (an enum object each)
+POLLIN, POLLOUT, POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
+SNDMORE, NOBLOCK, RCVMORE, EVENTS = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.RCVMORE), int(zmq.EVENTS)
 
 
 def _ignore(error: Optional[BaseException]) -> None:
@@ -90,7 +94,9 @@ class TcpTransport(Transport):
             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._watch = zmq.Poller()  # connection monitors: looked at every _WATCH_EVERY s, not every poll
+        self._watch.register(self._monitor, zmq.POLLIN)
+        self._next_watch = 0.0
         self._dealers: List[Optional[zmq.Socket]] = [None] * size
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._io = threading.Lock()            # held by the one thread reading the router
@@ -140,7 +146,7 @@ class TcpTransport(Transport):
             if peer != self.rank:  # a dropped connection means the peer died or closed: fail fast
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._peer_monitors[monitor] = peer
-                self._poller.register(monitor, zmq.POLLIN)
+                self._watch.register(monitor, zmq.POLLIN)
             sock.connect(endpoint)
             nonce = secrets.token_bytes(16)
             hello = wire.make_hello(token, self.rank, peer, nonce)
@@ -170,7 +176,7 @@ class TcpTransport(Transport):
         if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
             return self._bulk_send(req, peer, key, dtype)
         with self._send_locks[peer]:
-            sock.send(header + self._next_ordinal(peer), zmq.SNDMORE)
+            sock.send(header + self._next_ordinal(peer), SNDMORE)
             if req.nbytes >= COPY_THRESHOLD:
                 req.handle = sock.send(view, copy=False, track=True)
             else:
@@ -277,25 +283,28 @@ class TcpTransport(Transport):
             self._drain_wakeups()
         for peer in self._bulk_polled:
             ev = events.get(self._bulk.socks[peer].fileno(), 0)
-            if ev & zmq.POLLOUT:
+            if ev & POLLOUT:
                 self._bulk.flush(peer)
-            if ev & (zmq.POLLIN | zmq.POLLERR):
+            if ev & (POLLIN | POLLERR):
                 self._bulk.read(peer)
-        if self._monitor in events:
-            self._log_monitor_events()
         if self._router in events:
             self._read_router()
-        for monitor in self._peer_monitors:
-            if monitor in events:
-                self._peer_lost(monitor)
+        now = time.monotonic()
+        if not events or now >= self._next_watch:
+            self._next_watch = now + _WATCH_EVERY
+            watched = dict(self._watch.poll(0))
+            if self._monitor in watched:
+                self._log_monitor_events()
+            for monitor in self._peer_monitors:
+                if monitor in watched:
+                    self._peer_lost(monitor)
         if self._lost_at:
             self._expire_lost()
 
     def _poll_streams(self) -> None:
         """Poll each raw stream for reading while a header or a matched payload is due, for writing while queued."""
         for peer, sock in self._bulk.socks.items():
-            flags = ((zmq.POLLIN if self._bulk.wants_read(peer) else 0)
-                     | (zmq.POLLOUT if self._bulk.wants_write(peer) else 0))
+            flags = (POLLIN if self._bulk.wants_read(peer) else 0) | (POLLOUT if self._bulk.wants_write(peer) else 0)
             if flags != self._bulk_polled.get(peer, 0):
                 if not flags:
                     self._poller.unregister(sock)
@@ -313,12 +322,9 @@ class TcpTransport(Transport):
 
     def _read_router(self) -> None:
         router = self._router
-        while True:
-            try:
-                ident = router.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            frames_left = router.getsockopt(zmq.RCVMORE)
+        while router.getsockopt(EVENTS) & POLLIN:  # cheaper than recv raising zmq.Again at the end
+            ident = router.recv(NOBLOCK)
+            frames_left = router.getsockopt(RCVMORE)
             raw = router.recv() if frames_left else b""
             ordinal = None
             if len(raw) == wire.HEADER.size + ORDINAL.size:  # a data message: header, then its number
@@ -329,7 +335,7 @@ class TcpTransport(Transport):
                 header, reason = None, str(e)
             else:
                 reason = "truncated message (no header or no payload frame)"
-            if header is None or not router.getsockopt(zmq.RCVMORE):
+            if header is None or not router.getsockopt(RCVMORE):
                 self._reject(ident, reason)
                 continue
             if header.kind == wire.KIND_HELLO:
@@ -562,7 +568,7 @@ class TcpTransport(Transport):
         self._ident_rank[ident] = src
 
     def _skip_rest(self) -> None:
-        while self._router.getsockopt(zmq.RCVMORE):
+        while self._router.getsockopt(RCVMORE):
             self._router.recv(copy=False)
 
     def _reject(self, ident: bytes, reason: str) -> None:
