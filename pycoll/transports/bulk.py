@@ -1,12 +1,11 @@
 """Raw TCP streams beside zmq for large payloads, read straight into the posted buffer.
 
 zmq hands every received message over in a freshly allocated frame, so a large message costs a
-page-faulting allocation plus a copy into the user's buffer, and each message two hops through
-zmq's io threads. Here each pair of ranks shares one authenticated, nonblocking TCP stream (as
-Gloo's pairs do) carrying [header | payload] per message: payloads are written from the user's
-buffer and read with recv_into into the user's buffer (or a reused scratch buffer), with only the
-kernel's copy each way. A header read off the stream goes to `on_header`, which matches it (tcp.py)
-or holds it, and with it the stream, until the messages sent before it over zmq are in.
+page-faulting allocation plus a copy into the user's buffer. Here each pair of ranks shares one
+authenticated, nonblocking TCP stream (as Gloo's pairs do): payloads are written from the
+user's buffer and read with recv_into into the user's buffer (or a reused scratch buffer), with
+only the kernel's copy each way. The stream carries payload bytes only; what they belong to is
+announced, in order, on the zmq channel, so matching stays in one place (tcp.py).
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from . import wire
 _CHUNK = 1 << 22  # bytes per send/recv call: keeps one peer from starving the others
 STREAM_CHUNK = 1 << 19  # a consumed payload is handed over in pieces this big, while still in cache
 _ALIGN = 16  # pieces start at multiples of every dtype's itemsize
-HEADER_BYTES = wire.HEADER.size + 8  # a message's header on the stream: wire header, then its number
 
 
 class Outgoing:
@@ -74,11 +72,6 @@ class BulkLinks:
         self._in: Dict[int, Deque[Incoming]] = {}
         self._out_locks: Dict[int, threading.RLock] = {}
         self._pieces: Dict[int, memoryview] = {}  # per stream: where consumed payloads pass through
-        self._header: Dict[int, bytearray] = {}   # per stream: the part of the next header read so far
-        self._paused: set = set()                 # streams whose last header on_header is holding
-        self._ended: set = set()                  # streams the peer closed between two messages
-        # (peer, raw header) -> True if matched now, False if held (resume() then continues the stream)
-        self.on_header: Callable[[int, bytes], bool] = lambda peer, raw: False
         self.closed_by: Dict[int, str] = {}  # peers whose stream ended -> why
         self.rejected = 0
 
@@ -189,32 +182,18 @@ class BulkLinks:
         self._in[peer].append(item)
 
     def wants_read(self, peer: int) -> bool:
-        """True while the stream has something to read now: a claimed payload, or the next header."""
         queue = self._in[peer]
-        if queue:
-            return queue[0].claimed
-        return peer not in self._paused and peer not in self._ended and peer not in self.closed_by
-
-    def resume(self, peer: int) -> None:
-        """The header on_header held has been matched: read on past it (io lock held)."""
-        self._paused.discard(peer)
+        return bool(queue) and queue[0].claimed
 
     def unclaimed_heads(self) -> List[Incoming]:
         """Payloads at the head of their stream that nobody has claimed yet (io lock held)."""
         return [q[0] for q in self._in.values() if q and not q[0].claimed]
 
     def read(self, peer: int) -> None:
-        """Read what has arrived: headers, handed to on_header, and the payloads of matched ones,
-        completing them in order (io lock held)."""
+        """Read what has arrived into the announced payloads, completing them in order (io lock held)."""
         sock, queue = self.socks[peer], self._in[peer]
-        while True:
-            if not queue:
-                if not self.wants_read(peer) or not self._read_header(peer, sock):
-                    return
-                continue
+        while queue and queue[0].claimed:
             item = queue[0]
-            if not item.claimed:
-                return
             try:
                 n = self._read_into(peer, sock, item)
             except (BlockingIOError, InterruptedError):
@@ -228,34 +207,6 @@ class BulkLinks:
             if item.got == item.nbytes:
                 queue.popleft()
                 item.on_done(None)
-
-    def _read_header(self, peer: int, sock: socket.socket) -> bool:
-        """Read (part of) the next header; when whole, hand it on. False when there is nothing more
-        to do now (no bytes yet, the stream ended or broke, or on_header held the header)."""
-        buf = self._header.setdefault(peer, bytearray())
-        try:
-            chunk = sock.recv(HEADER_BYTES - len(buf))
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            self.fail(peer, f"its bulk stream broke while receiving ({e})")
-            return False
-        if not chunk:  # between messages: the peer closed it (a death shows on zmq), else it broke
-            if buf:
-                self.fail(peer, "its bulk stream closed in the middle of a header")
-            else:
-                self._ended.add(peer)
-            return False
-        buf += chunk
-        if len(buf) < HEADER_BYTES:
-            return False
-        raw = bytes(buf)
-        buf.clear()
-        if not self.on_header(peer, raw):
-            if peer not in self.closed_by:
-                self._paused.add(peer)
-            return False
-        return True
 
     def _read_into(self, peer: int, sock: socket.socket, item: Incoming) -> int:
         """One recv for `item`; a consumed payload is handed over in aligned pieces as they fill."""
@@ -282,7 +233,6 @@ class BulkLinks:
     def fail(self, peer: int, why: str) -> None:
         """The peer's stream is unusable: fail everything queued on it, both ways (io lock held)."""
         self.closed_by.setdefault(peer, why)
-        self._paused.discard(peer)
         err = PeerError(f"rank {self.rank}: rank {peer} {why}", peer)
         pending = list(self._in[peer])
         self._in[peer].clear()

@@ -1,9 +1,8 @@
 """TCP transport on pyzmq: one ROUTER per rank for everything inbound, one DEALER per peer outbound.
 
-Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks travel with their header on a
-raw stream per pair (bulk.py), read straight into the posted buffer, without a hop through zmq's
-io thread; smaller ones ride zmq. Every data message carries its number in its pair's order, so
-the receiver matches the two channels' messages in the order they were sent. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
+Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
+travel on a raw stream per pair (bulk.py), read straight into the posted buffer; smaller ones
+ride zmq. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
 job pays no thread hand-off per message.
 """
 from __future__ import annotations
@@ -13,7 +12,6 @@ import math
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -43,14 +41,9 @@ _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
 _Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
-ORDINAL = struct.Struct("<Q")  # after a data header: the message's place in its sender's order to us
 # zmq's flags as plain ints: the hot path pays for every IntFlag | and & (an enum object each)
 POLLIN, POLLOUT, POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
 SNDMORE, NOBLOCK, RCVMORE, EVENTS = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.RCVMORE), int(zmq.EVENTS)
-
-
-def _ignore(error: Optional[BaseException]) -> None:
-    """Completion of a stream write nobody waits for (a bulk header: its payload's completion counts)."""
 
 
 class _Parked:
@@ -119,13 +112,6 @@ class TcpTransport(Transport):
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
         self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
         self._said_bye: set = set()                       # peers that closed normally
-        # Data to a peer goes over zmq (small) or inline on the raw stream (bulk), each message
-        # numbered per pair; the receiver matches strictly in that order, holding back a message
-        # that overtook one still on the other channel (FIFO within a key holds across both).
-        self._out_ordinal = [0] * size                    # next number to give a message to each peer
-        self._in_ordinal = [0] * size                     # next number to match from each peer
-        self._held_zmq: Dict[int, Dict[int, Tuple[wire.Header, zmq.Frame]]] = {}   # peer -> ordinal -> msg
-        self._held_stream: Dict[int, Tuple[int, wire.Header]] = {}  # peer -> (ordinal, header) not yet matched
         self.failure: Optional[PeerError] = None          # set once a peer died: the job is broken
 
     # -- connection set-up -------------------------------------------------------------------
@@ -161,7 +147,6 @@ class TcpTransport(Transport):
             with self._io:
                 self._drain(_SLICE)
         self._bulk.establish(bulk_endpoints, token, deadline)
-        self._bulk.on_header = self._on_stream_header
 
     # -- data path -----------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
@@ -176,7 +161,7 @@ class TcpTransport(Transport):
         if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
             return self._bulk_send(req, peer, key, dtype)
         with self._send_locks[peer]:
-            sock.send(header + self._next_ordinal(peer), SNDMORE)
+            sock.send(header, SNDMORE)
             if req.nbytes >= COPY_THRESHOLD:
                 req.handle = sock.send(view, copy=False, track=True)
             else:
@@ -185,22 +170,16 @@ class TcpTransport(Transport):
         return req
 
     def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> Request:
-        """Queue header and payload on the raw stream (no zmq hop), numbered in this pair's order."""
+        """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
         def done(error: Optional[BaseException]) -> None:
             req.error, req.done = error, True
 
         announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._send_locks[peer]:
-            self._bulk.send(peer, Outgoing(memoryview(announce + self._next_ordinal(peer)), _ignore))
+            self._dealers[peer].send_multipart([announce, b""])
             if self._bulk.send(peer, Outgoing(req.view, done)):
                 self._wake_w.send(b"w")  # whoever drives must now poll this stream for writing
         return req
-
-    def _next_ordinal(self, peer: int) -> bytes:
-        """The next message number to `peer` (send lock held)."""
-        n = self._out_ordinal[peer]
-        self._out_ordinal[peer] = n + 1
-        return ORDINAL.pack(n)
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
@@ -302,7 +281,7 @@ class TcpTransport(Transport):
             self._expire_lost()
 
     def _poll_streams(self) -> None:
-        """Poll each raw stream for reading while a header or a matched payload is due, for writing while queued."""
+        """Poll each raw stream for reading while payloads are announced, for writing while queued."""
         for peer, sock in self._bulk.socks.items():
             flags = (POLLIN if self._bulk.wants_read(peer) else 0) | (POLLOUT if self._bulk.wants_write(peer) else 0)
             if flags != self._bulk_polled.get(peer, 0):
@@ -325,12 +304,8 @@ class TcpTransport(Transport):
         while router.getsockopt(EVENTS) & POLLIN:  # cheaper than recv raising zmq.Again at the end
             ident = router.recv(NOBLOCK)
             frames_left = router.getsockopt(RCVMORE)
-            raw = router.recv() if frames_left else b""
-            ordinal = None
-            if len(raw) == wire.HEADER.size + ORDINAL.size:  # a data message: header, then its number
-                raw, (ordinal,) = raw[:wire.HEADER.size], ORDINAL.unpack(raw[wire.HEADER.size:])
             try:
-                header = wire.unpack_header(raw) if frames_left else None
+                header = wire.unpack_header(router.recv()) if frames_left else None
             except ValueError as e:
                 header, reason = None, str(e)
             else:
@@ -348,60 +323,14 @@ class TcpTransport(Transport):
             elif header.kind == wire.KIND_BYE:
                 self._skip_rest()
                 self._said_bye.add(peer)
-            elif header.kind != wire.KIND_DATA or ordinal is None:
-                self._reject(ident, f"rank {peer} sent a {header.kind} message without a data header")
-            elif ordinal == self._in_ordinal[peer]:
-                self._in_ordinal[peer] += 1
-                self._deliver(peer, header)
-                self._release(peer)
-            elif ordinal > self._in_ordinal[peer]:  # overtook a bulk message still on the stream
-                self._held_zmq.setdefault(peer, {})[ordinal] = (header, self._router.recv(copy=False))
+            elif header.kind == wire.KIND_BULK:
                 self._skip_rest()
-            else:
-                self._reject(ident, f"rank {peer} sent message number {ordinal} twice")
-
-    def _on_stream_header(self, peer: int, raw: bytes) -> bool:
-        """A bulk header came off `peer`'s stream: match it now if it is next in the pair's order
-        (True), else hold it and the stream until the zmq messages before it are in (False)."""
-        try:
-            header = wire.unpack_header(raw[:wire.HEADER.size])
-        except ValueError as e:
-            self._bulk.fail(peer, f"sent garbage on its bulk stream ({e})")
-            return False
-        (ordinal,) = ORDINAL.unpack(raw[wire.HEADER.size:])
-        if header.kind != wire.KIND_BULK or ordinal < self._in_ordinal[peer]:
-            self._bulk.fail(peer, f"sent a bulk header out of order (number {ordinal}, kind {header.kind})")
-            return False
-        if ordinal > self._in_ordinal[peer]:
-            self._held_stream[peer] = (ordinal, header)
-            return False
-        self._in_ordinal[peer] += 1
-        self._announce(peer, header)
-        self._release(peer)
-        return True
-
-    def _release(self, peer: int) -> None:
-        """Match the held messages of `peer` that are now next in its order (io lock held)."""
-        held = self._held_zmq.get(peer)
-        while True:
-            nxt = self._in_ordinal[peer]
-            if held and nxt in held:
-                header, frame = held.pop(nxt)
-                self._in_ordinal[peer] = nxt + 1
-                self._deliver(peer, header, frame)
-            elif self._held_stream.get(peer, (None,))[0] == nxt:
-                _, header = self._held_stream.pop(peer)
-                self._in_ordinal[peer] = nxt + 1
                 self._announce(peer, header)
-                self._bulk.resume(peer)
             else:
-                return
+                self._deliver(peer, header)
 
-    def _deliver(self, peer: int, header: wire.Header, frame: Optional[zmq.Frame] = None) -> None:
-        """Match a zmq data message; its payload is the router's next frame, or `frame` if it was
-        held back (already received)."""
+    def _deliver(self, peer: int, header: wire.Header) -> None:
         match = (peer, header.comm_id, header.seq, header.tag)
-        fresh = frame is None
         with self._match:
             queue = self._posted.get(match)
             if queue:
@@ -409,27 +338,26 @@ class TcpTransport(Transport):
                 if not queue:
                     del self._posted[match]
             else:
-                self._unexpected.setdefault(match, deque()).append(
-                    (header, self._router.recv(copy=False) if fresh else frame))
-                if fresh:
-                    self._skip_rest()
+                self._unexpected.setdefault(match, deque()).append((header, self._router.recv(copy=False)))
                 return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is not None:
-            pass
-        elif req.sink is not None or not fresh:
-            frame = self._router.recv(copy=False) if fresh else frame
+            self._router.recv(copy=False)
+        elif req.sink is not None:
+            frame = self._router.recv(copy=False)
             self._check_length(req, len(frame.buffer))
             if req.error is None:
                 req.deliver(frame.buffer)
         else:
             self._check_length(req, self._router.recv_into(req.view))
-        if fresh:
-            self._skip_rest()
+        self._skip_rest()
         req.done = True
 
     def _announce(self, peer: int, header: wire.Header) -> None:
         """A bulk payload is next on the peer's stream: aim it at its receive, or park it."""
+        if peer not in self._bulk.socks:
+            self._reject(b"", f"rank {peer} announced a bulk payload without a bulk stream")
+            return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
             queue = self._posted.get(match)

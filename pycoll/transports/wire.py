@@ -9,7 +9,7 @@ from typing import NamedTuple
 MAGIC = b"PYCL"
 VERSION = 1
 KIND_DATA, KIND_HELLO, KIND_BYE = 0, 1, 2  # BYE: the sender closes normally, after its last data
-KIND_BULK = 3  # heads a payload of `nbytes` that follows it on the pair's raw stream (bulk.py)
+KIND_BULK = 3  # announces a payload of `nbytes` that follows on the pair's raw stream (bulk.py)
 HEADER = struct.Struct("<4sBBHQQqQ")  # magic, version, kind, dtype, comm_id, seq, tag, nbytes
 HELLO = struct.Struct("<II16s32s")   # src rank, dst rank, nonce, hmac
 
