@@ -25,6 +25,9 @@ def _killed_mid_allreduce(comm, victim):
     x = np.ones(1 << 20, np.float32)
     comm.allreduce(x)  # everyone is connected and working
     if comm.rank == victim:
+        # Its last sends of call 1 may still sit in zmq's queue or its socket buffer; kill -9 would
+        # drop them (a socket closed with unread data resets), failing call 1 instead of call 2.
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
