@@ -78,17 +78,22 @@ class Channel:
                 if then is not None:
                     then()
 
-    def board_exchange(self, arr: np.ndarray, sig: int = 0) -> Optional[List[np.ndarray]]:
+    def board_exchange(self, arr: np.ndarray, sig: int = 0, stage: bool = False) -> Optional[List[np.ndarray]]:
         """Every rank's `arr` (same size and dtype everywhere), in rank order, through the transport's
-        shared-memory board; None where there is no board or `arr` does not fit its slots (the same on
-        every rank). `sig` says what the call is (collective, op, root): a rank whose peers posted
-        another size, dtype or signature raises ProtocolError. The arrays view shared memory: read
-        them before this communicator's next call."""
+        shared-memory board (with `stage`, its large stage slots); None where there is none or `arr`
+        does not fit its slots (the same on every rank). `sig` says what the call is (collective, op,
+        root): a rank whose peers posted another size, dtype or signature raises ProtocolError. The
+        arrays view shared memory: read them before this communicator's next call but one."""
         board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
-        if board is None or arr.nbytes > board.slot_bytes:
+        if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
         return board.exchange(arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
-                              self.what)
+                              self.what, stage)
+
+    def stage_bytes(self) -> int:
+        """What one stage slot of this communicator's board holds (0: no board, or no stage)."""
+        board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
+        return board.stage_bytes if board is not None else 0
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int = 0) -> None:
         """Exchange in one step: post the receive first so the peer's send lands directly."""

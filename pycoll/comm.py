@@ -42,7 +42,8 @@ class Communicator:
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
         self.selector = selector or Selector(tuner=tuner.for_communicator(
-            self._tuner_channel, rank, self.topology, transport.name, transport.board_bytes))
+            self._tuner_channel, rank, self.topology, transport.name, transport.board_bytes,
+            transport.stage_bytes))
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()

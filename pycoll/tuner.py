@@ -206,14 +206,14 @@ def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
 
 # -- the model -------------------------------------------------------------------------------------
 MODELED: Dict[str, Tuple[str, ...]] = {
-    "allreduce": ("oneshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
+    "allreduce": ("oneshot", "twoshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
                   "hierarchical"),
     "broadcast": ("oneshot", "tree", "ring", "hierarchical"),
     "allgather": ("oneshot", "ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "halving_doubling"),
     "reduce": ("oneshot", "tree"),
 }
-FLAT = ("flat_ring", "hierarchical", "oneshot")  # never chosen for a phase of a hierarchical algorithm
+FLAT = ("flat_ring", "hierarchical", "oneshot", "twoshot")  # never chosen for a phase of a hierarchical algorithm
 
 
 def crowding(rnd: Round, host_of: Sequence[int], cores: Sequence[int]) -> float:
@@ -265,12 +265,22 @@ def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> Li
     return [Round(1, [(a, root, nbytes) for a in range(n) if a != root], (n - 1) * nbytes)]  # reduce
 
 
+def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
+    """Two posts per stage-sized block. A rank copies its input in and the result out: 2 copies of
+    nbytes, what a message of nbytes costs end to end (the sender's copy and the receiver's), so
+    nbytes arrive at each rank; it reduces (n-1)/n of nbytes straight out of the others' slots."""
+    blocks = max(1, math.ceil(nbytes / stage_bytes))
+    per_pair = nbytes / (n - 1)
+    return [Round(2 * blocks, [(a, b, per_pair) for a in range(n) for b in range(n) if a != b], (n - 1) * nbytes / n)]
+
+
 class Tuner:
     """Predicts the time of every modeled algorithm and picks the cheapest; `board_bytes` is what a
-    shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm)."""
+    shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm), and
+    `stage_bytes` what a stage slot holds (0: no stage, so no two-shot algorithm)."""
 
-    def __init__(self, params: Params, board_bytes: int = 0) -> None:
-        self.params, self.board_bytes = params, board_bytes
+    def __init__(self, params: Params, board_bytes: int = 0, stage_bytes: int = 0) -> None:
+        self.params, self.board_bytes, self.stage_bytes = params, board_bytes, stage_bytes
 
     def pattern(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> List[Round]:
         """The rounds of one flat (non-hierarchical) algorithm."""
@@ -286,6 +296,8 @@ class Tuner:
             return binomial_pattern(collective, nbytes, n)
         if algorithm == "oneshot":
             return oneshot_pattern(collective, nbytes, n)
+        if algorithm == "twoshot":
+            return twoshot_pattern(nbytes, n, self.stage_bytes)
         raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
 
     def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,
@@ -296,6 +308,8 @@ class Tuner:
         per_rank = nbytes / topo.size if collective == "allgather" else nbytes
         if algorithm == "oneshot" and (topo.nhosts > 1 or per_rank > self.board_bytes):
             return math.inf  # no board: it would run the message-based fallback
+        if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes):
+            return math.inf
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         return sum(round_time(r, topo.host_of, self.params, streams, topo.cores)
@@ -544,7 +558,7 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
 
 
 def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
-                     transport: str, board_bytes: int = 0) -> Optional[Tuner]:
+                     transport: str, board_bytes: int = 0, stage_bytes: int = 0) -> Optional[Tuner]:
     """The world communicator's tuner: None (static rules) under PYCOLL_TUNER=static; else the model,
     calibrated at init unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
     how = mode()
@@ -557,4 +571,4 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,
                         (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
                         params.net.describe())
-    return Tuner(params, board_bytes)
+    return Tuner(params, board_bytes, stage_bytes)

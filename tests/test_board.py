@@ -1,6 +1,7 @@
-"""The shared-memory board (transports/shm_board.py) and the one-shot algorithms on it: results
-equal a sequential numpy reduction in rank order on every rank, the board is really used where all
-ranks share a host over shm (and not over tcp or across hosts, where recursive doubling runs),
+"""The shared-memory board (transports/shm_board.py) and the one-shot and two-shot algorithms on it:
+results equal a sequential numpy reduction in rank order on every rank (two-shot: bit-identical
+everywhere, in each share's own order), the board is really used where all ranks share a host over
+shm (and not over tcp or across hosts, where message-based algorithms run),
 communicators get lanes of their own (concurrent async calls included), lanes run out gracefully,
 and a rank that dies or never comes is named."""
 import os
@@ -231,3 +232,84 @@ def test_broadcast_reduce_allgather_on_the_board(n):
         assert out["reduce"] == (want, 1)
         assert out["allgather"] == ([[k, 10 * k] for k in range(n)], 1)
         assert out["allgatherv"] == ([k for k in range(n) for _ in range(k + 1)], 0)
+
+
+def _twoshot_matrix(comm):
+    """Every case in place and out of place at counts from 0 to several stage blocks (ragged last
+    block, shares smaller than a rank count); returns failures, the board calls per call, digests."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+    from pycoll.transports.shm_board import STAGE_BYTES
+    bad, used, digests = [], [], []
+    for dtype, op in CASES:
+        dt = np.dtype(dtype)
+        per = STAGE_BYTES // dt.itemsize
+        for count in (0, 1, comm.size - 1, 1000, per, per + 1, 2 * per + per // 3):
+            x = _inputs(comm.rank, count, dtype)
+            out = np.empty_like(x)
+            before = max(_board_calls(comm), 0)
+            with np.errstate(all="ignore"):
+                comm.allreduce(x, out=out, op=op, algo="twoshot")
+                comm.allreduce(x, op=op, algo="twoshot")
+                want = _expected(comm.size, count, dtype, op)
+            used.append(_board_calls(comm) - before)
+            exact = np.issubdtype(dt, np.integer)
+            for got in (out, x):
+                if exact and got.tobytes() != want.tobytes():
+                    bad.append(f"{dt} {op} count={count}")
+                elif not exact and not np.allclose(got.astype(np.float64), want.astype(np.float64),
+                                                   rtol=2e-2, atol=0.1):
+                    bad.append(f"{dt} {op} count={count}")
+            digests.append(hash(out.tobytes()) ^ hash(x.tobytes()))
+    return bad, used, digests
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_twoshot_allreduce_across_stage_blocks_is_right_and_the_same_bits_everywhere(n):
+    results = run_ranks(_twoshot_matrix, n, env=SHM, timeout=110)
+    for rank, (bad, used, digests) in enumerate(results):
+        assert not bad, f"rank {rank}: {bad}"
+        # two board calls per block, for each of the two calls per count (count 0: no block)
+        assert used == [0, 4, 4 if n > 1 else 0, 4, 4, 8, 12] * len(CASES), (rank, used)
+        assert digests == results[0][2], f"rank {rank} got other bits than rank 0"
+
+
+def _twoshot_without_a_stage(comm):
+    """Over tcp there is no board; on a communicator whose lane has no stage there is a board but
+    no stage: either way two-shot runs halving-doubling (no board call) and gets the sum."""
+    from pycoll.transports.shm_board import STAGE_LANES
+    got = []
+    comms = [comm] + [comm.dup() for _ in range(STAGE_LANES + 1)]
+    for c in comms:
+        x = np.arange(100_000, dtype=np.float64) * (comm.rank + 1)
+        before = max(_board_calls(c), 0)
+        c.allreduce(x, algo="twoshot")
+        got.append((bool(np.array_equal(x, np.arange(100_000) * sum(range(1, comm.size + 1)))),
+                    _board_calls(c) - before))
+    return got
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_twoshot_falls_back_to_halving_doubling_without_a_stage(transport):
+    from pycoll.transports.shm_board import STAGE_LANES
+    for got in run_ranks(_twoshot_without_a_stage, 3, env={"PYCOLL_TRANSPORT": transport}):
+        assert all(ok for ok, _ in got), got
+        calls = [used for _, used in got]
+        if transport == "tcp":
+            assert calls == [-1] * len(got)
+        else:  # world took lane 0, its dups lanes 1, 2, ...: 800 kB is two blocks where there is a stage
+            assert calls[:STAGE_LANES] == [4] * STAGE_LANES and calls[STAGE_LANES:] == [0, 0], calls
+
+
+def _twoshot_mismatch(comm):
+    import pycoll
+    x = np.ones(1000 if comm.rank == 0 else 2000, np.float32)
+    try:
+        comm.allreduce(x, algo="twoshot", timeout=20)
+    except pycoll.ProtocolError as e:
+        return str(e)
+    return "no error"
+
+
+def test_twoshot_with_different_counts_is_a_protocol_error():
+    for rank, msg in enumerate(run_ranks(_twoshot_mismatch, 2, env=SHM)):
+        assert "board post carries" in msg and "bytes" in msg, (rank, msg)

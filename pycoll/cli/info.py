@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from ..algorithms.registry import Selector
 from ..topology import Topology, detect
-from ..transports.shm_board import SLOT_BYTES
+from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
 from ..tuner import MODELED, Tuner, base_params
 from .bench import parse_size
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render(topo: Topology, selector: Selector, sizes: List[int], collectives: List[str]) -> str:
     """The matrix and the tuner table (the selector's pick marked `*`)."""
-    tuner = selector.tuner or Tuner(base_params(topo), SLOT_BYTES)
+    tuner = selector.tuner or Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)
     table = tuner.table(topo, sizes, collectives,
                         choose=lambda coll, s: selector.choose(coll, s, topo.size, topo=topo))
     static = "" if selector.tuner else "\n(PYCOLL_TUNER=static or PYCOLL_ALGO: `*` is the size rule's pick)"
@@ -55,6 +55,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     nic_text = ", ".join(f"{n.name} {n.address} {n.speed or '?'} Mbit/s" for n in me.nics) or "none"
     print(f"this rank: host id {me.host}\n  hostname {me.hostname}, NUMA node {me.numa}, NICs {nic_text}, "
           f"RDMA {', '.join(me.rdma) or 'none'}\n")
-    # modelled as the default transport (auto) runs: shm, with its board, between ranks on a host
-    print(render(topo, Selector(tuner=Tuner(base_params(topo), SLOT_BYTES)), sizes, collectives))
+    # modelled as the default transport (auto) runs: shm, with its board and stage, between ranks on a host
+    print(render(topo, Selector(tuner=Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)), sizes, collectives))
     return 0

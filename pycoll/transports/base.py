@@ -69,6 +69,7 @@ class Transport(ABC):
     name = "base"
     supports_sink = False  # True when irecv(..., sink=f) hands the payload to f without a copy
     board_bytes = 0        # what one slot of board() holds (0: no board)
+    stage_bytes = 0        # what one stage slot of board() holds at most (0: no stage)
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size

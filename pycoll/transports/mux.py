@@ -33,6 +33,7 @@ class AutoTransport(Transport):
                        for r in range(size)]
         self.name = "auto(" + "+".join(t.name for t in (self._shm, self._tcp) if t is not None) + ")"
         self.board_bytes = self._shm.board_bytes if self._shm is not None else 0
+        self.stage_bytes = self._shm.stage_bytes if self._shm is not None else 0
 
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -13,7 +13,8 @@ unix datagram socket (its doorbell) that peers poke after publishing data or fre
 waits for. Segment names are random per job, travel through the authenticated store and carry
 token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
 /dev/shm after close() or kill -9. Between the header and the rings each segment has a board
-(shm_board.py): lanes where single-host communicators run small collectives without messages.
+(shm_board.py): lanes where single-host communicators run small collectives without messages, and
+stages where they run large allreduces two-shot.
 A sleeper also polls a pidfd per local peer: a peer that exits
 without marking its segment closed died, and every pending request then fails naming it (as tcp).
 """
@@ -37,7 +38,7 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
-from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, ShmBoard, claim_lane
+from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
 RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
@@ -152,6 +153,7 @@ class ShmTransport(Transport):
     name = "shm"
     supports_sink = True
     board_bytes = SLOT_BYTES
+    stage_bytes = STAGE_BYTES
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:

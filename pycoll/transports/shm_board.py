@@ -2,14 +2,17 @@
 
 Every rank's shm segment carries LANES lanes. A communicator whose ranks all share this host takes
 one lane on each of its ranks, agreed once over the transport's own messages. A lane holds a counter
-and two slots of SLOT_BYTES: at its b-th board call a rank copies its input into slot b % 2 and
-publishes b; once every member has published b, each reads every member's slot b % 2. A rank
-publishes b + 1 only after it has finished reading call b, so a slot is overwritten (at call b + 2)
-only after every member is done with it: no other flag is needed. Each post also carries its byte
+and DEPTH slots of SLOT_BYTES: at its b-th board call a rank copies its input into slot b % DEPTH and
+publishes b; once every member has published b, each reads every member's slot b % DEPTH. A rank
+publishes b + 1 only after it has finished reading call b, so a slot is overwritten (at call
+b + DEPTH) only after every member is done with it, even by an algorithm that reads call b's slots
+after call b + 1 (two-shot: post, reduce, signal, copy out): no other flag is needed. The first
+STAGE_LANES lanes also have DEPTH stage slots of STAGE_BYTES, which a call may post into instead (the
+same counter): large allreduces move through them block by block. Each post also carries its byte
 count and a signature (dtype, and the algorithm's collective, op and root): a rank whose peers
 posted something else raises ProtocolError, as a mismatched message would over any transport. Lanes are never handed back (a
 peer may still read the last call's slot), so a process that creates more than LANES single-host
-communicators runs the later ones without a board.
+communicators runs the later ones without a board (and more than STAGE_LANES without a stage).
 """
 from __future__ import annotations
 
@@ -22,16 +25,20 @@ from ..errors import ProtocolError
 from .base import MsgKey, Request
 
 LANES = 16
+DEPTH = 3
 SLOT_BYTES = 16 << 10
+STAGE_LANES = 2
+STAGE_BYTES = 512 << 10
 BOARD_CTRL = 4096
-BOARD_BYTES = BOARD_CTRL + LANES * 2 * SLOT_BYTES
+STAGE_AT = BOARD_CTRL + LANES * DEPTH * SLOT_BYTES
+BOARD_BYTES = STAGE_AT + STAGE_LANES * DEPTH * STAGE_BYTES
 HANDSHAKE_TAG = -2  # the lane agreement's messages (algorithms use tags >= 0)
 SPIN_YIELDS = 256   # yields of the CPU spent looking for late posts before the transport's blocking wait
-# int64 indices of a lane's control block (one 64-byte line per lane)
-_LINE = 8
-# ... and per slot (parity) the byte count and signature of its post: a peer may already be one call
-# ahead, so the words of the call being checked must not be those it overwrites
-_CLAIMED, _OWNER, _POSTED, _NBYTES, _SIG = 0, 1, 2, 3, 4  # _NBYTES/_SIG + 2 * parity
+# int64 indices of a lane's control block (two 64-byte lines per lane)
+_LINE = 16
+# ... and per slot the byte count and signature of its post: a peer may already be a call ahead, so
+# the words of the call being checked must not be those it overwrites
+_CLAIMED, _OWNER, _POSTED, _NBYTES, _SIG = 0, 1, 2, 3, 4  # _NBYTES/_SIG + 2 * slot
 
 
 def claim_lane(ctrl: memoryview, comm_id: int) -> int:
@@ -46,9 +53,12 @@ def claim_lane(ctrl: memoryview, comm_id: int) -> int:
     return -1
 
 
-def slot(board: memoryview, lane: int, parity: int) -> memoryview:
-    """Slot `parity` of `lane` in a board region (bytes)."""
-    at = BOARD_CTRL + (2 * lane + parity) * SLOT_BYTES
+def slot(board: memoryview, lane: int, k: int, stage: bool = False) -> memoryview:
+    """Slot `k` of `lane` in a board region (bytes): a small one, or with `stage` a stage slot."""
+    if stage:
+        at = STAGE_AT + (DEPTH * lane + k) * STAGE_BYTES
+        return board[at:at + STAGE_BYTES]
+    at = BOARD_CTRL + (DEPTH * lane + k) * SLOT_BYTES
     return board[at:at + SLOT_BYTES]
 
 
@@ -86,26 +96,30 @@ class ShmBoard:
         self._lanes, self._ctrls = lanes, ctrls
         self._counter = {m: lanes[m] * _LINE + _POSTED for m in members}  # index into ctrls[m]
         self._others = [m for m in self.members if m != rank]
-        self._bytes = [{m: np.frombuffer(slot(boards[m], lanes[m], k), np.uint8) for m in members} for k in (0, 1)]
-        self._typed: Dict[Tuple[int, np.dtype, Tuple[int, ...]], List[np.ndarray]] = {}
+        # every member's lane has a stage, or the communicator has none (the same answer on every member)
+        self.stage_bytes = STAGE_BYTES if max(lanes.values()) < STAGE_LANES else 0
+        kinds = (False, True) if self.stage_bytes else (False,)
+        self._bytes = {(k, stage): {m: np.frombuffer(slot(boards[m], lanes[m], k, stage), np.uint8) for m in members}
+                       for k in range(DEPTH) for stage in kinds}
+        self._typed: Dict[Tuple[int, bool, np.dtype, Tuple[int, ...]], List[np.ndarray]] = {}
         self._wake, self._wait = wake, wait
         self.calls = 0
 
     def exchange(self, data: np.ndarray, sig: int, order: Sequence[int], timeout: float,
-                 what: object) -> List[np.ndarray]:
-        """Post `data` (flat, at most slot_bytes) with signature `sig`, wait until every member has
-        posted this call, and return the members' arrays in `order` (global ranks), views into their
-        slots that stay valid until this rank's next call but one. ProtocolError if a member posted
-        another byte count or signature."""
+                 what: object, stage: bool = False) -> List[np.ndarray]:
+        """Post `data` (flat, at most slot_bytes, or stage_bytes into a stage slot) with signature
+        `sig`, wait until every member has posted this call, and return the members' arrays in `order`
+        (global ranks): writable views into their slots that stay valid until this rank's call
+        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature."""
         self.calls = b = self.calls + 1
-        parity, count = b & 1, data.size
-        layout = (parity, data.dtype, tuple(order))
+        k, count = b % DEPTH, data.size
+        layout = (k, stage, data.dtype, tuple(order))
         typed = self._typed.get(layout)
         if typed is None:
-            typed = self._typed[layout] = [self._bytes[parity][m].view(data.dtype) for m in order]
-        self._bytes[parity][self.rank][:data.nbytes] = data.view(np.uint8)
+            typed = self._typed[layout] = [self._bytes[k, stage][m].view(data.dtype) for m in order]
+        self._bytes[k, stage][self.rank][:data.nbytes] = data.view(np.uint8)
         ctrls, at = self._ctrls, self._counter
-        words = 2 * parity - _POSTED  # from a lane's counter to this parity's byte count and signature
+        words = 2 * k - _POSTED  # from a lane's counter to this slot's byte count and signature
         mine = ctrls[self.rank]
         mine[at[self.rank] + _NBYTES + words], mine[at[self.rank] + _SIG + words] = data.nbytes, sig
         mine[at[self.rank]] = b
