@@ -300,16 +300,21 @@ def test_twoshot_falls_back_to_halving_doubling_without_a_stage(transport):
             assert calls[:STAGE_LANES] == [4] * STAGE_LANES and calls[STAGE_LANES:] == [0, 0], calls
 
 
-def _twoshot_mismatch(comm):
+def _twoshot_mismatch(comm, count, other):
+    """Rank 0 allreduces `count` floats, the others `other`; then all allreduce the same."""
     import pycoll
-    x = np.ones(1000 if comm.rank == 0 else 2000, np.float32)
+    x = np.ones(count if comm.rank == 0 else other, np.float32)
     try:
         comm.allreduce(x, algo="twoshot", timeout=20)
     except pycoll.ProtocolError as e:
-        return str(e)
-    return "no error"
+        return str(e), bool(np.all(x == 1))
+    return "no error", bool(np.all(x == 1))
 
 
-def test_twoshot_with_different_counts_is_a_protocol_error():
-    for rank, msg in enumerate(run_ranks(_twoshot_mismatch, 2, env=SHM)):
-        assert "board post carries" in msg and "bytes" in msg, (rank, msg)
+@pytest.mark.parametrize("extra", [1000, 5])  # a first block of another size; the same first block
+def test_twoshot_with_different_counts_fails_at_the_first_block(extra):
+    from pycoll.transports.shm_board import STAGE_BYTES
+    count = 2 * STAGE_BYTES // 4
+    for rank, (msg, untouched) in enumerate(run_ranks(_twoshot_mismatch, 3, count, count + extra, env=SHM)):
+        assert "board post carries" in msg and "did the ranks call" in msg, (rank, msg)
+        assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"

@@ -20,6 +20,7 @@ from .oneshot import _sig
 from .ring import chunk_bounds
 
 POSTED, REDUCED = 6, 7  # the board signatures of a block's two posts
+_COUNT_BITS = 36         # ... which also carry the call's element count (mod 2**36)
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
@@ -35,7 +36,9 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
         halving_doubling.allreduce(ch, flat, op)
         return
     fn, me = ufunc(op, flat.dtype), ch.rank
-    posted, reduced = _sig(POSTED, op), _sig(REDUCED, op)
+    # ranks with different counts fail at the first block, even where its size is the same
+    count = (flat.size & ((1 << _COUNT_BITS) - 1)) << 8
+    posted, reduced = _sig(POSTED, op) | count, _sig(REDUCED, op) | count
     done = np.empty(0, flat.dtype)
     for lo in range(0, flat.size, per_block):
         hi = min(flat.size, lo + per_block)
