@@ -150,23 +150,24 @@ def test_lanes_run_out_gracefully():
         assert [board for _, board in out] == [True] * (LANES - 1) + [False] * 5
 
 
-def _killed_while_posting(comm, victim):
+def _killed_while_posting(comm, victim, algo, count):
     import pycoll
-    x = np.ones(4, np.float32)
-    comm.allreduce(x, algo="oneshot")
+    x = np.ones(count, np.float32)
+    comm.allreduce(x, algo=algo)
     if comm.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
         for _ in range(100_000):
-            comm.allreduce(x, algo="oneshot")
+            comm.allreduce(x, algo=algo)
     except pycoll.PeerError as e:
         return e.peer, str(e), time.monotonic() - t0
     return None, "no error", time.monotonic() - t0
 
 
-def test_a_rank_killed_during_board_calls_is_named_within_5s():
-    results = run_ranks(_killed_while_posting, 4, 1, expect_fail=True, timeout=90,
+@pytest.mark.parametrize("algo,count", [("oneshot", 4), ("twoshot", 300_000)])  # twoshot: 3 stage blocks
+def test_a_rank_killed_during_board_calls_is_named_within_5s(algo, count):
+    results = run_ranks(_killed_while_posting, 4, 1, algo, count, expect_fail=True, timeout=90,
                         env={**SHM, "PYCOLL_TIMEOUT": "30"})
     for rank, (ok, value) in enumerate(results):
         if rank == 1:
