@@ -162,8 +162,10 @@ def doubling_pattern(collective: str, nbytes: float, n: int, halving: bool) -> L
             out.append(Round(1, [(r, (r - dist) % n, min(dist, n - dist) * block) for r in range(n)]))
             dist *= 2
         return out
-    if not halving:
-        rounds = [_exchange(fold, m, nbytes, 1, nbytes) for m in _masks(fold.p2)]
+    if not halving:  # one message per step, but past a ring segment it costs a latency per segment
+        # like halving-doubling's: measured over tcp, 2 ranks, 64 MiB: 62-68 ms against 42-46 ms
+        rounds = [_exchange(fold, m, nbytes, max(1, math.ceil(nbytes / RING_SEGMENT)), nbytes)
+                  for m in _masks(fold.p2)]
     else:  # halving: step m moves m/p2 of the data, in segments of at most RING_SEGMENT bytes
         def step(m: int, reduce: bool) -> Round:
             part = nbytes * m / fold.p2
