@@ -209,8 +209,8 @@ def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
 
 # -- the model -------------------------------------------------------------------------------------
 MODELED: Dict[str, Tuple[str, ...]] = {
-    "allreduce": ("oneshot", "twoshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree", "binomial",
-                  "hierarchical"),
+    "allreduce": ("oneshot", "twoshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree",
+                  "binomial", "hierarchical"),
     "broadcast": ("oneshot", "tree", "ring", "hierarchical"),
     "allgather": ("oneshot", "ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "halving_doubling"),
@@ -280,7 +280,8 @@ def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
     nbytes arrive at each rank; it reduces (n-1)/n of nbytes straight out of the others' slots."""
     blocks = max(1, math.ceil(nbytes / stage_bytes))
     per_pair = nbytes / (n - 1)
-    return [Round(2 * blocks * BOARD_POST, [(a, b, per_pair) for a in range(n) for b in range(n) if a != b], (n - 1) * nbytes / n)]
+    pairs = [(a, b, per_pair) for a in range(n) for b in range(n) if a != b]
+    return [Round(2 * blocks * BOARD_POST, pairs, (n - 1) * nbytes / n)]
 
 
 class Tuner:

@@ -31,9 +31,7 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
     source = flat if src is None else src.reshape(-1)
     per_block = ch.stage_bytes() // flat.itemsize
     if per_block < ch.size:
-        if src is not None:
-            np.copyto(flat, source)
-        halving_doubling.allreduce(ch, flat, op)
+        halving_doubling.allreduce(ch, flat, op, None if src is None else source)
         return
     fn, me = ufunc(op, flat.dtype), ch.rank
     # ranks with different counts fail at the first block, even where its size is the same
