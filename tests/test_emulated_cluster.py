@@ -43,7 +43,8 @@ def detect(comm: Any) -> Dict[str, Any]:
     want = np.arange(1001, dtype=np.float64) * sum(range(1, comm.size + 1))
     return {"members": comm.topology.members, "links": [comm.topology.link(comm.rank, p) for p in range(comm.size)],
             "transport": comm.transport.name, "nics": [n.name for n in comm.topology.ranks[comm.rank].nics],
-            "allreduce_ok": bool(np.array_equal(x, want))}
+            "allreduce_ok": bool(np.array_equal(x, want)),
+            "same_host_streams": comm.transport._tcp._bulk.local}  # the tcp part serves other hosts only
 
 
 @pytest.mark.timeout(120)
@@ -55,6 +56,7 @@ def test_detection_finds_the_namespaced_hosts(tmp_path):
         assert info["members"] == [[0, 2], [1, 3]]
         assert info["links"] == ["X" if p == r else ("NODE" if p % 2 == r % 2 else "NET") for p in range(4)]
         assert info["transport"] == "auto(shm+tcp)" and info["nics"] == ["eth0"] and info["allreduce_ok"]
+        assert info["same_host_streams"] == []  # streams over a NIC keep the kernel's buffer autotuning
 
 
 @pytest.mark.timeout(60)

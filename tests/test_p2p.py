@@ -67,6 +67,26 @@ def test_64_mib_message():
     assert run_ranks(_large, 2, env=TCP)[1] is True
 
 
+def _stream_buffers(comm):
+    import socket
+    bulk = comm.transport._bulk
+    return {peer: (peer in bulk.local, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+            for peer, sock in bulk.socks.items()}
+
+
+def test_same_host_bulk_streams_get_a_send_buffer_no_bigger_than_the_window():
+    """Loopback streams get a fixed SO_SNDBUF (the kernel doubles it, capped by wmem_max), so queued
+    data never leaves from the peer's CPU on an ACK (bulk.py); PYCOLL_TCP_LOCAL_SNDBUF=0 autotunes."""
+    with open("/proc/sys/net/core/wmem_max") as f:
+        want = 2 * min(1 << 19, int(f.read()))
+    got = run_ranks(_stream_buffers, 3, env=TCP)
+    for rank, streams in enumerate(got):
+        assert sorted(streams) == [p for p in range(3) if p != rank]
+        assert all(local and size == want for local, size in streams.values()), streams
+    got = run_ranks(_stream_buffers, 2, env={**TCP, "PYCOLL_TCP_LOCAL_SNDBUF": "0"})
+    assert [list(streams.values())[0][0] for streams in got] == [False, False]
+
+
 BULK = 100_000  # int32 elements: 400 KB, above PYCOLL_TCP_BULK_THRESHOLD, so on the raw stream
 
 

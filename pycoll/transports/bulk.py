@@ -9,6 +9,7 @@ announced, in order, on the zmq channel, so matching stays in one place (tcp.py)
 """
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import select
 import socket
@@ -23,6 +24,12 @@ from . import wire
 _CHUNK = 1 << 22  # bytes per send/recv call: keeps one peer from starving the others
 STREAM_CHUNK = 1 << 19  # a consumed payload is handed over in pieces this big, while still in cache
 _ALIGN = 16  # pieces start at multiples of every dtype's itemsize
+
+
+def same_host(sock: socket.socket) -> bool:
+    """Both ends of a connected stream on this machine: a loopback peer, or our own address."""
+    local, peer = sock.getsockname()[0], sock.getpeername()[0]
+    return local == peer or ipaddress.ip_address(peer).is_loopback
 
 
 class Outgoing:
@@ -61,8 +68,10 @@ class Incoming:
 class BulkLinks:
     """One raw stream per peer: connect/authenticate, then nonblocking writes and reads in FIFO order."""
 
-    def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0) -> None:
-        self.rank, self.size, self._buffer_bytes = rank, size, buffer_bytes
+    def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0, local_sndbuf: int = 0) -> None:
+        """`buffer_bytes`: SO_SNDBUF and SO_RCVBUF of every stream (0: autotuning); `local_sndbuf`:
+        SO_SNDBUF of the streams to ranks on this host, when `buffer_bytes` is 0 (0: autotuning)."""
+        self.rank, self.size, self._buffer_bytes, self._local_sndbuf = rank, size, buffer_bytes, local_sndbuf
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((address, 0))
         self._listener.listen(max(8, size))
@@ -73,6 +82,7 @@ class BulkLinks:
         self._out_locks: Dict[int, threading.RLock] = {}
         self._pieces: Dict[int, memoryview] = {}  # per stream: where consumed payloads pass through
         self.closed_by: Dict[int, str] = {}  # peers whose stream ended -> why
+        self.local: List[int] = []  # peers on this host, whose streams got `local_sndbuf`
         self.rejected = 0
 
     # -- set-up --------------------------------------------------------------------------------
@@ -136,6 +146,14 @@ class BulkLinks:
         if self._buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._buffer_bytes)
+        elif self._local_sndbuf and same_host(sock):
+            # A software path (loopback) delivers a packet on the CPU that sent it. Data left queued
+            # by a full window goes out when the ACK comes, from the peer's CPU, and can overtake
+            # what still waits on ours: reordering, spurious retransmits. A send buffer no bigger than
+            # the window keeps every write on the writer's CPU (64 MiB allreduce, 2 / 4 ranks: 42 / 117 ms
+            # against 49 / 148 ms with autotuning).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._local_sndbuf)
+            self.local.append(peer)
         sock.setblocking(False)
         self.socks[peer] = sock
         self._out[peer], self._in[peer] = deque(), deque()

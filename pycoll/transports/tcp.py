@@ -34,6 +34,7 @@ BULK_THRESHOLD = float(os.environ.get("PYCOLL_TCP_BULK_THRESHOLD", 1 << 17))  # 
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
 IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
 SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
+LOCAL_SNDBUF = int(os.environ.get("PYCOLL_TCP_LOCAL_SNDBUF", 1 << 19))  # same-host bulk streams (bulk.py); 0 = autotune
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
@@ -97,7 +98,7 @@ class TcpTransport(Transport):
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._posted: Dict[_Match, Deque[Request]] = {}
         self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, Union[zmq.Frame, _Parked]]]] = {}
-        self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER)
+        self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER, LOCAL_SNDBUF)
         self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
         self._wake_r.setblocking(False)
