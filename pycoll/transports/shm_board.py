@@ -11,8 +11,9 @@ STAGE_LANES lanes also have DEPTH stage slots of STAGE_BYTES, which a call may p
 same counter): large allreduces move through them block by block. Each post also carries its byte
 count and a signature (dtype, and the algorithm's collective, op and root): a rank whose peers
 posted something else raises ProtocolError, as a mismatched message would over any transport.
-Lanes are never handed back (a peer may still read the last call's slot), so a process that creates more than LANES single-host
-communicators runs the later ones without a board (and more than STAGE_LANES without a stage).
+Lanes are never handed back (a peer may still read the last call's slot), so a process that creates
+more than LANES single-host communicators runs the later ones without a board (and more than
+STAGE_LANES without a stage).
 """
 from __future__ import annotations
 
