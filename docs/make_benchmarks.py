@@ -48,6 +48,7 @@ def main() -> None:
     lo, hi = args.sizes.split(":")
     sections: List[str] = []
     tmp = tempfile.mkdtemp()
+    os.environ["PYCOLL_TUNER_CACHE"] = os.path.join(tmp, "tuner")  # measured afresh, by this code
     for n in [int(v) for v in args.ranks.split(",")]:
         rows: List[Dict] = []
         for transport in args.transports.split(","):

@@ -1,4 +1,5 @@
 """pycoll: collective communication (allreduce and friends) for distributed training, in Python."""
+from . import version
 from .comm import Communicator
 from .debug import MismatchError
 from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
@@ -7,7 +8,7 @@ from .work import Work
 from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barrier, broadcast,
                     default_comm, gather, init, recv, reduce, reduce_scatter, scatter, send)
 
-__version__ = "0.1.0"
+__version__ = version.__version__
 
 __all__ = [
     "Communicator", "MismatchError", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",

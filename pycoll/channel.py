@@ -33,11 +33,22 @@ class CallName:
 class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
-    def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
+    def __init__(self, *, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object) -> None:
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
         self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
+
+    def derive(self, *, group: Optional[Sequence[int]] = None, rank: Optional[int] = None,
+               comm_id: Optional[int] = None, seq: Optional[int] = None, what: Optional[object] = None
+               ) -> "Channel":
+        """A new Channel on the same transport and deadline with the given fields replaced (a
+        sub-group, another communicator id): how algorithms and checks open side channels."""
+        return Channel(transport=self.transport, group=self.group if group is None else group,
+                       rank=self.rank if rank is None else rank,
+                       comm_id=self.comm_id if comm_id is None else comm_id,
+                       seq=self.seq if seq is None else seq, timeout=self.timeout,
+                       what=self.what if what is None else what)
 
     def isend(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Start sending `arr` to communicator rank `peer`."""

@@ -1,20 +1,20 @@
 """Communicator: validates arguments, numbers each call, picks an algorithm and runs it on a Channel."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import debug, tuner
-from .algorithms.registry import Selector
+from . import calibration, debug
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
 from .channel import CallName, Channel, byte_view
+from .ids import comm_hash
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
+from .selection import Selector
 from .topology import Topology
 from .transports.base import MsgKey, Transport
 from .work import Work, Worker
@@ -23,13 +23,9 @@ P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from
 OpLike = Union[ReduceOp, str]
 
 
-def comm_hash(name: str) -> int:
-    """A 64-bit communicator id every rank derives from the same name."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
 class Communicator:
-    """A group of ranks that run collectives together (MPI communicator / torch process group)."""
+    """A group of ranks that run collectives together (MPI communicator / torch process group).
+    Algorithms are picked by `selector`: the size rules until calibrate() fits the tuner's model."""
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
@@ -41,9 +37,6 @@ class Communicator:
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
-        self.selector = selector or Selector(tuner=tuner.for_communicator(
-            self._tuner_channel, rank, self.topology, transport.name, transport.board_bytes,
-            transport.stage_bytes))
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -52,6 +45,7 @@ class Communicator:
         self._inflight = 0
         self._closed = False
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
+        self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -74,8 +68,29 @@ class Communicator:
         """How many of the communicator's ranks share this host."""
         return self.membership.local_size
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() has been called."""
+        return self._closed
+
     def __repr__(self) -> str:
         return f"<pycoll.Communicator {self.name} rank {self.rank}/{self.size} over {self.transport.name}>"
+
+    # -- algorithm selection ----------------------------------------------------------------------
+    def calibrate(self) -> None:
+        """Fit the tuner's model to this communicator's links as PYCOLL_TUNER says (a probe, the model's
+        constants, or static size rules) and select with it from now on; split/dup children inherit
+        it. Collective: every rank calls it, between calls (pycoll.init() does, for the world)."""
+        board, stage = self._board_capacity()
+        fitted = calibration.for_communicator(self._tuner_channel, self.rank, self.topology,
+                                              self.transport.name, board, stage)
+        self.selector = Selector(self.selector.spec, fitted, board)
+
+    def _board_capacity(self) -> Tuple[int, int]:
+        """(slot bytes, stage bytes) of the shared-memory board this communicator's calls can use:
+        the transport's when all its ranks share a host, else (0, 0), no board."""
+        hosts = {self.membership.hosts[g] for g in self.group}
+        return (self.transport.board_bytes, self.transport.stage_bytes) if len(hosts) == 1 else (0, 0)
 
     # -- running calls ----------------------------------------------------------------------------
     def _run(self, collective: str, body: Callable[[Channel], Any], async_op: bool,
@@ -98,9 +113,9 @@ class Communicator:
     def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
         """A Channel for the next call number: what an algorithm runs on (all ranks must call in order)."""
         seq = next(self._seq)
-        return Channel(self.transport, self.group, self.rank, self.comm_id, seq,
-                       self.timeout if timeout is None else timeout,
-                       CallName(collective, seq, self.name, self.rank, self.size))
+        return Channel(transport=self.transport, group=self.group, rank=self.rank, comm_id=self.comm_id,
+                       seq=seq, timeout=self.timeout if timeout is None else timeout,
+                       what=CallName(collective, seq, self.name, self.rank, self.size))
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:
@@ -116,8 +131,9 @@ class Communicator:
 
     def _tuner_channel(self, seq: int) -> Channel:
         """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
-        return Channel(self.transport, self.group, self.rank, comm_hash(f"{self.name}/tuner"), seq,
-                       self.timeout, f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
+        return Channel(transport=self.transport, group=self.group, rank=self.rank,
+                       comm_id=comm_hash(f"{self.name}/tuner"), seq=seq, timeout=self.timeout,
+                       what=f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
         return self.selector.function(collective, nbytes, self.topology, algo)
@@ -413,8 +429,10 @@ class Communicator:
         me = self.group[self.rank]
         same = [g for g in group if hosts[g] == hosts[me]]
         membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
-        return Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
-                            selector=self.selector, topology=self.topology.subset(members))
+        child = Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
+                             topology=self.topology.subset(members))
+        child.selector = self.selector.for_board(*child._board_capacity())  # the parent's model, its own board
+        return child
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .algorithms.registry import resolve
+from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import ProtocolError
 from .ops import BFLOAT16_CODE, DTYPE_CODES, ReduceOp, dtype_code
@@ -68,9 +68,8 @@ def verify(ch: Channel, mine: np.ndarray) -> None:
     if ch.size == 1:
         return
     table = np.empty((ch.size, mine.size), np.int64)
-    shadow = Channel(ch.transport, ch.group, ch.rank, _shadow_id(ch.comm_id), ch.seq, ch.timeout,
-                     f"{ch.what} (PYCOLL_DEBUG=DETAIL check)")
-    resolve("allgather", "recursive_doubling")(shadow, mine, table.reshape(-1), None)
+    shadow = ch.derive(comm_id=_shadow_id(ch.comm_id), what=f"{ch.what} (PYCOLL_DEBUG=DETAIL check)")
+    allgather(shadow, mine, table.reshape(-1), None)
     for r in range(1, ch.size):
         diff = np.flatnonzero(table[r] != table[0])
         if diff.size:

@@ -1,5 +1,5 @@
 """The tuner: an alpha-beta cost model per (collective, algorithm, link class), NCCL tuning.cc style,
-fed by a short calibration probe at init; the Selector asks it for the cheapest algorithm per call.
+fed by the calibration at init (pycoll.calibration); the Selector asks it for the cheapest algorithm per call.
 
 Each algorithm is described by its communication pattern on the communicator's topology: a list of
 rounds, each with a count of back-to-back messages and the (src, dst, bytes) transfers it makes.
@@ -18,42 +18,27 @@ the pattern share each NIC (the parallel inter-host phase of the hierarchical al
 in plain rank order over interleaved hosts pays for every rank's stream on the NIC, a host-ordered
 ring for one, and the hierarchical allreduce for 2(H-1)/H * S bytes per host.
 
-Calibration (PYCOLL_TUNER=probe, the default): one pair of ranks per link class ping-pongs small and
-1 MiB messages; every rank times numpy reductions; an allgather gives all ranks the same numbers, so
-all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
-(default ~/.cache/pycoll/tuner, `off` disables) for a day. PYCOLL_TUNER=model uses built-in
-constants (and PYCOLL_TOPO_FILE "links"), =static the size rules of registry.default_order; setting
-PYCOLL_ALGO skips the probe.
+The model's parameters (Params) come from pycoll.calibration: defaults, PYCOLL_TOPO_FILE, a cache
+or a probe at init.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
 import sys
-import tempfile
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .algorithms.recursive_doubling import Fold, allgather
+from .algorithms.recursive_doubling import Fold
 from .algorithms.ring import SEGMENT_BYTES as RING_SEGMENT, segments_per_block
-from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, _btree
-from .channel import Channel
-from .errors import EnvError
-from .topology import NET, SHM, Topology, load_topo_file
+from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, btree
+from .topology import SHM, Topology
 
 log = logging.getLogger("pycoll.tuner")
 _log_ready = False  # the PYCOLL_DEBUG=INFO handler is attached
-MODES = ("probe", "model", "static")
-CACHE_TTL = 24 * 3600.0
-PROBE_BIG = 1 << 20
-PROBE_SMALL_REPS, PROBE_BIG_REPS = 8, 3
-BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
 
 
 @dataclass(frozen=True)
@@ -94,7 +79,6 @@ class Params:
 
 # Python-level constants measured on loopback/shm here; net defaults to 10 Gbit/s or the NIC speed
 DEFAULT = Params(shm=Link(40e-6, 1 / 1.5e9), net=Link(120e-6, 8 / 10e9), gamma=1 / 4e9)
-COLUMNS = {SHM: (0, 1), NET: (2, 3)}
 
 
 class Round(NamedTuple):
@@ -191,15 +175,15 @@ def binomial_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> L
 
 def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
     """NCCL's double binary tree, pipelined: each tree moves half the data up and back down
-    (tree 2 mirrors tree 1 for even n and shifts it by one for odd n, as tree._double_tree does).
+    (tree 2 mirrors tree 1 for even n and shifts it by one for odd n, as tree.allreduce_double_tree builds them).
     Each rank waits on one lane's messages before posting the other lane's, so a host's traffic in
     and out does not overlap: not duplex (measured: within 15% of that on the emulated cluster)."""
     to = (lambda x: n - 1 - x) if n % 2 == 0 else (lambda x: (x - 1) % n)
     back = (lambda x: n - 1 - x) if n % 2 == 0 else (lambda x: (x + 1) % n)
     up: List[Tuple[int, int, float]] = []
     for r in range(n):
-        second = _btree(to(r), n)[0]
-        for parent in (_btree(r, n)[0], None if second is None else back(second)):
+        second = btree(to(r), n)[0]
+        for parent in (btree(r, n)[0], None if second is None else back(second)):
             if parent is not None:
                 up.append((r, parent, nbytes / 2))
     depth = max(1, (n - 1).bit_length())
@@ -403,15 +387,6 @@ def _time(t: float) -> str:
     return f"{t * 1e6:.0f}us" if t < 1e-3 else f"{t * 1e3:.1f}ms" if t < 1 else f"{t:.2f}s"
 
 
-# -- parameters: defaults, PYCOLL_TOPO_FILE, cache, probe ---------------------------------------------
-def mode() -> str:
-    """PYCOLL_TUNER: probe (default), model or static; EnvError for anything else."""
-    value = os.environ.get("PYCOLL_TUNER", "probe").strip().lower() or "probe"
-    if value not in MODES:
-        raise EnvError(f"PYCOLL_TUNER={value!r} must be one of {list(MODES)}")
-    return value
-
-
 def info_log() -> logging.Logger:
     """The tuner's logger, printing to stderr when PYCOLL_DEBUG is INFO or TRACE."""
     global _log_ready
@@ -422,165 +397,3 @@ def info_log() -> logging.Logger:
         log.setLevel(logging.INFO)
         _log_ready = True
     return log
-
-
-def file_links(topo_file: Optional[Dict] = None) -> Dict[str, Link]:
-    """Link parameters declared in PYCOLL_TOPO_FILE's "links" ({"net": {"latency_us", "gbit"}})."""
-    spec = load_topo_file() if topo_file is None else topo_file
-    out = {}
-    for cls, d in spec.get("links", {}).items():
-        if cls not in (SHM, NET) or not isinstance(d, dict) or not {"latency_us", "gbit"} <= set(d):
-            raise EnvError(f"PYCOLL_TOPO_FILE links: {cls!r} must be 'shm' or 'net' with latency_us and gbit")
-        out[cls] = Link(float(d["latency_us"]) * 1e-6, 8e-9 / float(d["gbit"]))
-    return out
-
-
-def base_params(topo: Topology) -> Params:
-    """DEFAULT, with the net beta from the slowest NIC speed and any links PYCOLL_TOPO_FILE declares."""
-    params = DEFAULT
-    speed = topo.net_speed()
-    if speed:
-        params = replace(params, net=Link(params.net.alpha, 8 / (speed * 1e6)))
-    links = file_links()
-    if links:
-        params = replace(params, shm=links.get(SHM, params.shm), net=links.get(NET, params.net), source="file")
-    return params
-
-
-def cache_dir() -> Optional[str]:
-    """PYCOLL_TUNER_CACHE (default ~/.cache/pycoll/tuner); None when it is off."""
-    path = os.environ.get("PYCOLL_TUNER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pycoll", "tuner"))
-    return None if path.lower() in ("", "0", "off", "none") else path
-
-
-def _cache_file(key: str) -> Optional[str]:
-    root = cache_dir()
-    return None if root is None else os.path.join(root, hashlib.sha1(key.encode()).hexdigest() + ".json")
-
-
-def cache_get(key: str) -> Optional[Link]:
-    """A cached link measurement younger than CACHE_TTL, else None."""
-    path = _cache_file(key)
-    try:
-        with open(path) as fh:  # type: ignore[arg-type]
-            d = json.load(fh)
-        if d["key"] == key and time.time() - d["time"] < CACHE_TTL:
-            return Link(float(d["alpha"]), float(d["beta"]))
-    except (OSError, TypeError, ValueError, KeyError):
-        pass
-    return None
-
-
-def cache_put(key: str, link: Link) -> None:
-    """Store a measurement (atomically; a cache that cannot be written is skipped)."""
-    path = _cache_file(key)
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"key": key, "alpha": link.alpha, "beta": link.beta, "time": time.time()}, fh)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def probe_pairs(topo: Topology) -> Dict[str, Tuple[int, int]]:
-    """The ranks that measure each link class: two ranks of the first host with two, and the first
-    ranks of the first two hosts."""
-    pairs = {}
-    shared = next((m for m in topo.members if len(m) > 1), None)
-    if shared:
-        pairs[SHM] = (shared[0], shared[1])
-    if topo.nhosts > 1:
-        pairs[NET] = (topo.members[0][0], topo.members[1][0])
-    return pairs
-
-
-def measure_gamma() -> float:
-    """Seconds per byte of a float32 numpy reduction (best of a few 256 KiB adds)."""
-    a = np.ones(1 << 16, np.float32)
-    b = np.ones_like(a)
-    best = math.inf
-    for _ in range(4):
-        t = time.perf_counter()
-        np.add(a, b, out=a)
-        best = min(best, time.perf_counter() - t)
-    return max(best / a.nbytes, 1e-12)
-
-
-def ping_pong(ch: Channel, me: int, peer: int, tag: int) -> Optional[Link]:
-    """Measure the link to `peer`: the lower rank of the pair times, the other echoes. alpha is half
-    the best 8-byte round trip, beta what a 1 MiB message adds to the best one (at most BETA_FLOOR's
-    rate: on a busy machine the difference of two minima can come out near zero)."""
-    small, big = np.zeros(1, np.float64), np.zeros(PROBE_BIG // 8, np.float64)
-    lead = me < peer
-    best = {id(small): math.inf, id(big): math.inf}
-    plan = [small] * (PROBE_SMALL_REPS + 1) + [big] * (PROBE_BIG_REPS + 1)  # the first of each warms up
-    for i, payload in enumerate(plan):
-        t = time.perf_counter()
-        if lead:
-            ch.wait(ch.isend(payload, peer, tag + i))
-            ch.wait(ch.irecv(small, peer, tag + i))
-        else:
-            ch.wait(ch.irecv(payload, peer, tag + i))
-            ch.wait(ch.isend(small, peer, tag + i))
-        if i and plan[i - 1] is payload:
-            best[id(payload)] = min(best[id(payload)], time.perf_counter() - t)
-    if not lead:
-        return None
-    rtt = best[id(small)]
-    return Link(rtt / 2, max((best[id(big)] - rtt) / big.nbytes, BETA_FLOOR))
-
-
-def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology, transport: str,
-              base: Params) -> Params:
-    """Agree on Params across all ranks: cached or PYCOLL_TOPO_FILE values where present, probed
-    where not. `make_channel(seq)` gives a Channel on the tuner's own communicator id."""
-    pairs = probe_pairs(topo)
-    declared = file_links()
-    keys = {cls: f"{transport}|{cls}|{topo.ranks[a].host}|{topo.ranks[b].host}" for cls, (a, b) in pairs.items()}
-    mine = np.full(5, np.nan)
-    mine[4] = measure_gamma()
-    for cls, (a, _) in pairs.items():
-        link = declared.get(cls) or (cache_get(keys[cls]) if rank == a else None)
-        if link is not None:
-            mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
-    table = np.empty((topo.size, 5))
-    allgather(make_channel(1), mine, table.reshape(-1), None)
-    missing = [cls for cls in pairs if np.isnan(table[:, COLUMNS[cls][0]]).all()]
-    source = "probe" if missing else ("file" if declared else "cache")
-    if missing:
-        ch = make_channel(2)
-        for k, cls in enumerate(missing):
-            a, b = pairs[cls]
-            if rank in (a, b):
-                link = ping_pong(ch, rank, b if rank == a else a, 100 * k)
-                if link is not None:
-                    cache_put(keys[cls], link)
-                    mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
-        allgather(make_channel(3), mine, table.reshape(-1), None)
-    row = base.row()
-    for col in range(5):
-        got = table[:, col][~np.isnan(table[:, col])]
-        if got.size:
-            row[col] = float(got.max())
-    return Params.from_row(row, source)
-
-
-def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
-                     transport: str, board_bytes: int = 0, stage_bytes: int = 0) -> Optional[Tuner]:
-    """The world communicator's tuner: None (static rules) under PYCOLL_TUNER=static; else the model,
-    calibrated at init unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
-    how = mode()
-    if how == "static":
-        return None
-    params = base_params(topo)
-    if how == "probe" and topo.size > 1 and not os.environ.get("PYCOLL_ALGO"):
-        t = time.perf_counter()
-        params = calibrate(make_channel, rank, topo, transport, params)
-        info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,
-                        (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
-                        params.net.describe())
-    return Tuner(params, board_bytes, stage_bytes)

@@ -52,13 +52,18 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
         raise
     comm = Communicator(tr, range(job.size), job.rank, "world", membership, timeout,
                         store=base if store is None else None, owns_transport=True)
+    try:
+        comm.calibrate()
+    except BaseException:
+        comm.close()
+        raise
     _default = comm
     return comm
 
 
 def default_comm() -> Communicator:
     """The communicator of the last init(); RuntimeError before init()."""
-    if _default is None or _default._closed:
+    if _default is None or _default.closed:
         raise RuntimeError("pycoll.init() has not been called (or its communicator was closed)")
     return _default
 

@@ -1,6 +1,11 @@
-"""Make tests/ importable from spawned rank processes and keep pycoll importable from the checkout."""
+"""Make tests/ importable from spawned rank processes and keep pycoll importable from the checkout;
+give the whole session (and the ranks it spawns) a private tuner cache, so no test reads numbers
+measured outside it or leaves its own behind."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -9,3 +14,7 @@ for path in (HERE, ROOT):
         sys.path.insert(0, path)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [HERE, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+_TUNER_CACHE = tempfile.mkdtemp(prefix="pycoll-tuner-cache-")
+os.environ["PYCOLL_TUNER_CACHE"] = _TUNER_CACHE
+atexit.register(shutil.rmtree, _TUNER_CACHE, True)

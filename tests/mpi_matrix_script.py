@@ -20,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # collective_cas
 
 import pycoll  # noqa: E402
 from collective_cases import CHECKS, run_matrix  # noqa: E402
-from pycoll.algorithms.registry import Selector  # noqa: E402
 from pycoll.channel import byte_view  # noqa: E402
-from pycoll.comm import comm_hash  # noqa: E402
 from pycoll.errors import ProtocolError  # noqa: E402
+from pycoll.ids import comm_hash  # noqa: E402
 from pycoll.ops import DTYPE_CODES, bfloat16, dtype_code  # noqa: E402
+from pycoll.selection import Selector  # noqa: E402
 from pycoll.transports.base import MsgKey, Request  # noqa: E402
 from pycoll.transports.mpi import EAGER_BYTES  # noqa: E402
 

@@ -122,7 +122,7 @@ def test_torch_cpu_tensors_without_copies():
 
 
 def _algo_env(comm):
-    from pycoll.algorithms.registry import Selector
+    from pycoll.selection import Selector
     return Selector().choose("allreduce", 1 << 24, comm.size), Selector().choose("broadcast", 8, comm.size)
 
 
@@ -133,7 +133,7 @@ def test_pycoll_algo_environment_variable():
 
 
 def test_pycoll_algo_errors_on_bad_tokens():
-    from pycoll.algorithms.registry import parse_algo
+    from pycoll.selection import parse_algo
     for bad in ("rings", "allreduce:bogus", "nosuchcoll:ring", "allreduce:"):
         with pytest.raises(ValueError, match="PYCOLL_ALGO"):
             parse_algo(bad)

@@ -18,7 +18,7 @@ import pytest
 
 from collective_cases import run_matrix
 from multiproc import run_ranks
-from pycoll.algorithms.registry import IMPLEMENTATIONS
+from pycoll.selection import IMPLEMENTATIONS
 
 TCP = {"PYCOLL_TRANSPORT": "tcp"}
 DETAIL = {**TCP, "PYCOLL_DEBUG": "DETAIL"}

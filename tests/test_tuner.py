@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from multiproc import run_ranks
-from pycoll import tuner
-from pycoll.algorithms.registry import NAMED_ONLY, Selector, default_order, parse_algo
+from pycoll import calibration, tuner
+from pycoll.selection import NAMED_ONLY, Selector, default_order, parse_algo
 from pycoll.errors import EnvError
 from pycoll.topology import Topology
 from pycoll.tuner import DEFAULT, MODELED, Link, Params, Tuner
@@ -147,7 +147,7 @@ def test_selector_keeps_algo_and_pycoll_algo_semantics():
     assert "flat_ring" not in parse_algo("^ring")["allreduce"] and "hierarchical" in parse_algo("^ring")["allreduce"]
     assert parse_algo("flat_ring")["allreduce"] == frozenset({"flat_ring"})
     static = Selector("")
-    assert static.choose("allreduce", 16 * MIB, 4, topo=topo) == default_order("allreduce", 16 * MIB, 4)[0]
+    assert static.choose("allreduce", 16 * MIB, 4, topo=topo) == default_order("allreduce", 16 * MIB, 4, 0)[0]
     assert static.phase("allreduce", MIB, Topology.from_hosts([0, 1]), 2).__name__ in ("allreduce",
                                                                                        "allreduce_double_tree")
 
@@ -155,29 +155,29 @@ def test_selector_keeps_algo_and_pycoll_algo_semantics():
 def test_mode_and_links_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PYCOLL_TUNER", "bogus")
     with pytest.raises(EnvError, match="PYCOLL_TUNER"):
-        tuner.mode()
+        calibration.mode()
     monkeypatch.setenv("PYCOLL_TUNER", "Static")
-    assert tuner.mode() == "static"
+    assert calibration.mode() == "static"
     path = tmp_path / "topo.json"
     path.write_text(json.dumps({"links": {"net": {"latency_us": 50, "gbit": 0.2}}}))
     monkeypatch.setenv("PYCOLL_TOPO_FILE", str(path))
-    params = tuner.base_params(Topology.from_hosts([0, 1]))
+    params = calibration.base_params(Topology.from_hosts([0, 1]))
     assert params.source == "file" and math.isclose(params.net.beta, BETA) and params.shm == DEFAULT.shm
     path.write_text(json.dumps({"links": {"ib": {"gbit": 1}}}))
     with pytest.raises(EnvError, match="links"):
-        tuner.base_params(Topology.from_hosts([0, 1]))
+        calibration.base_params(Topology.from_hosts([0, 1]))
 
 
 def test_cache_round_trip_and_expiry(monkeypatch, tmp_path):
     monkeypatch.setenv("PYCOLL_TUNER_CACHE", str(tmp_path))
-    assert tuner.cache_get("k") is None
-    tuner.cache_put("k", Link(1e-5, 2e-9))
-    assert tuner.cache_get("k") == Link(1e-5, 2e-9)
-    monkeypatch.setattr(tuner, "CACHE_TTL", -1.0)
-    assert tuner.cache_get("k") is None
+    assert calibration.cache_get("k") is None
+    calibration.cache_put("k", Link(1e-5, 2e-9))
+    assert calibration.cache_get("k") == Link(1e-5, 2e-9)
+    monkeypatch.setattr(calibration, "CACHE_TTL", -1.0)
+    assert calibration.cache_get("k") is None
     monkeypatch.setenv("PYCOLL_TUNER_CACHE", "off")
-    tuner.cache_put("k2", Link(1.0, 1.0))
-    assert tuner.cache_dir() is None and tuner.cache_get("k2") is None
+    calibration.cache_put("k2", Link(1.0, 1.0))
+    assert calibration.cache_dir() is None and calibration.cache_get("k2") is None
 
 
 def test_table_marks_one_choice_per_size():

@@ -22,25 +22,29 @@ computes the same layout from the same Topology, so they all agree on the plan.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from ..channel import Channel
-from ..comm import comm_hash
+from ..ids import comm_hash
 from ..ops import ReduceOp
 from ..topology import Topology
 from . import linear, ring, tree
 from .ring import chunk_edges, displacements
 
-if TYPE_CHECKING:
-    from .registry import Selector
+
+class PhasePicker(Protocol):
+    """What the hierarchical algorithms need from the selection layer (its Selector passes itself in)."""
+
+    def phase(self, collective: str, nbytes: int, topo: Topology, streams: int) -> Callable:
+        """A flat algorithm for one phase, with `streams` copies of it sharing each NIC."""
 
 
 def sub_channel(ch: Channel, members: Sequence[int], label: str) -> Channel:
     """A Channel over the comm ranks `members` (this rank must be one), on its own communicator id."""
-    return Channel(ch.transport, [ch.group[m] for m in members], list(members).index(ch.rank),
-                   comm_hash(f"{ch.comm_id}/{label}"), ch.seq, ch.timeout, f"{ch.what} [{label}]")
+    return ch.derive(group=[ch.group[m] for m in members], rank=list(members).index(ch.rank),
+                     comm_id=comm_hash(f"{ch.comm_id}/{label}"), what=f"{ch.what} [{label}]")
 
 
 def host_ordered(ch: Channel, topo: Topology) -> Tuple[Channel, List[int]]:
@@ -48,8 +52,7 @@ def host_ordered(ch: Channel, topo: Topology) -> Tuple[Channel, List[int]]:
     order = topo.ring_order()
     if order == list(range(ch.size)):
         return ch, order
-    return Channel(ch.transport, [ch.group[o] for o in order], order.index(ch.rank), ch.comm_id, ch.seq,
-                   ch.timeout, ch.what), order
+    return ch.derive(group=[ch.group[o] for o in order], rank=order.index(ch.rank)), order
 
 
 def move_blocks(src: np.ndarray, src_edges: Sequence[int], dst: np.ndarray, dst_edges: Sequence[int],
@@ -61,7 +64,7 @@ def move_blocks(src: np.ndarray, src_edges: Sequence[int], dst: np.ndarray, dst_
 
 # -- rings in host order -----------------------------------------------------------------------------
 def ring_allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None, *,
-                   topo: Topology, selector: "Selector") -> None:
+                   topo: Topology, selector: PhasePicker) -> None:
     """ring.allreduce on the host-ordered ring (block order does not matter to an allreduce)."""
     ring.allreduce(host_ordered(ch, topo)[0], buf, op, src)
 
@@ -70,7 +73,7 @@ ring_allreduce.accepts_src = True  # type: ignore[attr-defined]
 
 
 def ring_reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
-                        counts: Optional[Sequence[int]] = None, *, topo: Topology, selector: "Selector") -> None:
+                        counts: Optional[Sequence[int]] = None, *, topo: Topology, selector: PhasePicker) -> None:
     """ring.reduce_scatter on the host-ordered ring; the input's blocks are put in ring order first."""
     pch, order = host_ordered(ch, topo)
     if pch is ch:
@@ -85,7 +88,7 @@ def ring_reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: Red
 
 
 def ring_allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None,
-                   *, topo: Topology, selector: "Selector") -> None:
+                   *, topo: Topology, selector: PhasePicker) -> None:
     """ring.allgather on the host-ordered ring; the blocks are put back in rank order after."""
     pch, order = host_ordered(ch, topo)
     if pch is ch:
@@ -98,7 +101,7 @@ def ring_allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Opti
     move_blocks(staged, displacements(ring_counts), recv, displacements(counts_l), list(enumerate(order)))
 
 
-def ring_broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, selector: "Selector") -> None:
+def ring_broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, selector: PhasePicker) -> None:
     """Pipelined chain broadcast along the host-ordered ring, starting at the root."""
     pch, order = host_ordered(ch, topo)
     tree.broadcast_chain(pch, buf, order.index(root))
@@ -134,7 +137,7 @@ def _shard(buf: np.ndarray, p: "_Place") -> Tuple[List[int], np.ndarray]:
 
 
 def _across_hosts(collective: str, ch: Channel, p: "_Place", shard: np.ndarray, *args: object,
-                  topo: Topology, selector: "Selector") -> None:
+                  topo: Topology, selector: PhasePicker) -> None:
     """Run `collective` on this rank's shard with its peers on the other hosts (the same local index),
     the L local ranks' copies in parallel sharing each NIC."""
     if p.H > 1 and shard.size:
@@ -143,7 +146,7 @@ def _across_hosts(collective: str, ch: Channel, p: "_Place", shard: np.ndarray, 
             sub_channel(ch, cross, "hier/cross"), shard, *args)
 
 
-def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, selector: "Selector") -> None:
+def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, selector: PhasePicker) -> None:
     """Hierarchical allreduce, in place (see the module docstring)."""
     if ch.size == 1 or buf.size == 0:
         return
@@ -167,7 +170,7 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, sel
         ring.allgather(sub_channel(ch, p.local, "hier/ag"), shard, buf, counts)
 
 
-def broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, selector: "Selector") -> None:
+def broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, selector: PhasePicker) -> None:
     """Hierarchical broadcast of root's `buf`, in place (see the module docstring)."""
     if ch.size == 1 or buf.size == 0:
         return
@@ -190,7 +193,7 @@ def broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, select
 
 
 def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None, *,
-              topo: Topology, selector: "Selector") -> None:
+              topo: Topology, selector: PhasePicker) -> None:
     """Hierarchical allgather(v): block i of `recv` (counts[i] elements) comes from rank i."""
     n = ch.size
     counts_l = [send.size] * n if counts is None else list(counts)

@@ -14,21 +14,13 @@ from ..channel import Channel
 from ..ops import ReduceOp, ufunc
 from . import barrier as dissemination
 from . import recursive_doubling, tree
-
-
-ALLREDUCE, REDUCE, BROADCAST, ALLGATHER, BARRIER = range(1, 6)
-_OPS = {op: k for k, op in enumerate(ReduceOp, 1)}
-
-
-def _sig(kind: int, op: Optional[ReduceOp] = None, root: int = -1) -> int:
-    """What a board post is for: peers that posted for another call raise ProtocolError."""
-    return kind | (_OPS[op] if op is not None else 0) << 4 | (root + 1) << 8
+from .board_signature import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, REDUCE, board_signature
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
     """Every rank reduces all ranks' inputs (`src`, or `buf` in place) in rank order itself into
     `buf`: bit-identical results everywhere, and out of place without a copy."""
-    inputs = ch.board_exchange(buf if src is None else src, _sig(ALLREDUCE, op))
+    inputs = ch.board_exchange(buf if src is None else src, board_signature(ALLREDUCE, op))
     if inputs is None:
         if src is not None:
             np.copyto(buf, src)
@@ -51,7 +43,7 @@ def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceO
 
 def reduce(ch: Channel, buf: np.ndarray, op: ReduceOp, root: int) -> None:
     """Every rank posts; only `root` reduces (the others' buffers stay as they were)."""
-    inputs = ch.board_exchange(buf, _sig(REDUCE, op, root))
+    inputs = ch.board_exchange(buf, board_signature(REDUCE, op, root))
     if inputs is None:
         tree.reduce(ch, buf, op, root)
     elif ch.rank == root:
@@ -60,7 +52,7 @@ def reduce(ch: Channel, buf: np.ndarray, op: ReduceOp, root: int) -> None:
 
 def broadcast(ch: Channel, buf: np.ndarray, root: int) -> None:
     """Every rank posts (the root's post is the data), the others copy the root's slot."""
-    inputs = ch.board_exchange(buf, _sig(BROADCAST, root=root))
+    inputs = ch.board_exchange(buf, board_signature(BROADCAST, root=root))
     if inputs is None:
         tree.broadcast(ch, buf, root)
     elif ch.rank != root:
@@ -71,7 +63,7 @@ def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[
     """Every rank posts its block and copies everyone's into `recv`. allgatherv (counts given) runs
     recursive doubling / Bruck: whether its counts are equal may differ between ranks that disagree
     on them, and the choice of path must not."""
-    inputs = ch.board_exchange(send, _sig(ALLGATHER)) if counts is None else None
+    inputs = ch.board_exchange(send, board_signature(ALLGATHER)) if counts is None else None
     if inputs is None:
         recursive_doubling.allgather(ch, send, recv, counts)
         return
@@ -81,5 +73,5 @@ def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[
 
 def barrier(ch: Channel) -> None:
     """Return once every rank has posted to the board (dissemination without a board)."""
-    if ch.board_exchange(np.empty(0, np.uint8), _sig(BARRIER)) is None:
+    if ch.board_exchange(np.empty(0, np.uint8), board_signature(BARRIER)) is None:
         dissemination.barrier(ch)

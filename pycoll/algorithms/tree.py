@@ -49,7 +49,7 @@ def _btree_parent(r: int, n: int) -> Optional[int]:
     return up if up < n else r ^ bit
 
 
-def _btree(r: int, n: int) -> Tree:
+def btree(r: int, n: int) -> Tree:
     """r's parent and (at most two) children in NCCL's binary tree; children are r +- 2^k."""
     near = {r + sign * (1 << k) for k in range(n.bit_length()) for sign in (-1, 1)}
     return _btree_parent(r, n), sorted(c for c in near if 0 < c < n and _btree_parent(c, n) == r)
@@ -64,8 +64,8 @@ def _double_tree(ch: Channel) -> Tuple[Tree, Tree]:
         to = back = lambda x: n - 1 - x
     else:
         to, back = (lambda x: (x - 1) % n), (lambda x: (x + 1) % n)
-    parent, children = _btree(to(r), n)
-    return _btree(r, n), (None if parent is None else back(parent), sorted(back(c) for c in children))
+    parent, children = btree(to(r), n)
+    return btree(r, n), (None if parent is None else back(parent), sorted(back(c) for c in children))
 
 
 def _bcast(ch: Channel, buf: np.ndarray, tree: Tree, tag: int) -> None:

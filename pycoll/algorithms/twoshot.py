@@ -16,11 +16,10 @@ import numpy as np
 from ..channel import Channel
 from ..ops import ReduceOp, ufunc
 from . import halving_doubling
-from .oneshot import _sig
+from .board_signature import TWOSHOT_POSTED, TWOSHOT_REDUCED, board_signature
 from .ring import chunk_bounds
 
-POSTED, REDUCED = 6, 7  # the board signatures of a block's two posts
-_COUNT_BITS = 36         # ... which also carry the call's element count (mod 2**36)
+_COUNT_BITS = 36  # a block's two posts also carry the call's element count (mod 2**36) in their signature
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
@@ -36,7 +35,8 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
     fn, me = ufunc(op, flat.dtype), ch.rank
     # ranks with different counts fail at the first block, even where its size is the same
     count = (flat.size & ((1 << _COUNT_BITS) - 1)) << 8
-    posted, reduced = _sig(POSTED, op) | count, _sig(REDUCED, op) | count
+    posted = board_signature(TWOSHOT_POSTED, op) | count
+    reduced = board_signature(TWOSHOT_REDUCED, op) | count
     done = np.empty(0, flat.dtype)
     for lo in range(0, flat.size, per_block):
         hi = min(flat.size, lo + per_block)

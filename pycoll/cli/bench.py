@@ -393,7 +393,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("pycoll bench: need -b <= -e, -n >= 1 and -f >= 1", file=sys.stderr)
         return 2
     import pycoll
-    from ..algorithms.registry import IMPLEMENTATIONS
+    from ..selection import IMPLEMENTATIONS
     comm = pycoll.init(transport=args.transport)
     impls = IMPLEMENTATIONS[args.collective]
     native_ok = comm.transport.name == "mpi"  # MPI's own collectives need the mpi transport

@@ -11,10 +11,11 @@ import argparse
 import os
 from typing import List, Optional
 
-from ..algorithms.registry import Selector
+from ..calibration import base_params
+from ..selection import Selector
 from ..topology import Topology, detect
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
-from ..tuner import MODELED, Tuner, base_params
+from ..tuner import MODELED, Tuner
 from .bench import parse_size
 
 

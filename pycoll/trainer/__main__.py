@@ -12,9 +12,10 @@ from typing import List, Optional, Tuple
 
 import pycoll
 
-from .loop import ConfigError, TrainConfig, train
+from .loop import ConfigError, train
 from .optim import OPTIMIZERS
 from .report import Console, summary_lines
+from .schema import TrainConfig
 from .timeline import draw_timeline
 
 

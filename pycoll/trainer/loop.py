@@ -4,8 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
@@ -13,27 +12,11 @@ from ..comm import Communicator
 from .data import Digits, eval_shard, global_batches, load_digits, shard, steps_per_epoch
 from .model import Params, forward, init_params, layer_sizes, loss_and_correct
 from .replica import Replica
-from .report import Console, Metrics, Window, epoch_line, header_line, step_line
+from .report import Console, Window, epoch_line, header_line, step_line
+from .schema import Metrics, TrainConfig, TrainResult
 from .timing import breakdown, throughput
 
 BASELINE_STEPS = 20  # timed steps of the in-run 1-rank baseline (after one warm-up step)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What defines a run (the CLI's options); batch_size is global and split evenly across ranks."""
-    epochs: int = 5
-    batch_size: int = 64
-    lr: float = 0.05
-    optimizer: str = "sgd"
-    hidden: Tuple[int, ...] = (128, 64)
-    bucket_kb: float = 16.0
-    seed: int = 0
-    log_every: int = 10
-    dtype: str = "float32"
-    straggler: Optional[Tuple[int, float]] = None  # (rank, milliseconds it sleeps every step)
-    baseline_sps: Optional[float] = None  # 1-rank samples/s; None: measure it in this run
-    blas_threads: int = 1  # per rank, like torchrun's OMP_NUM_THREADS=1: ranks share the cores
 
 
 class ConfigError(ValueError):
@@ -50,19 +33,6 @@ def check_config(cfg: TrainConfig, ranks: int) -> None:
         raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {ranks} ranks")
     if cfg.straggler and not 0 <= cfg.straggler[0] < ranks:
         raise ConfigError(f"--straggler rank {cfg.straggler[0]} is not in 0..{ranks - 1}")
-
-
-@dataclass
-class TrainResult:
-    """Final parameters and metrics; the gathered timings and throughput are filled in on rank 0 only."""
-    params: Params
-    train: Metrics
-    test: Metrics
-    plan: List[List[int]]
-    replicas_identical: bool
-    records: Optional[np.ndarray] = None  # (ranks, steps, columns), seconds since the common start
-    samples_per_s: Optional[float] = None
-    baseline_sps: Optional[float] = None
 
 
 def train(comm: Communicator, cfg: TrainConfig, console: Optional[Console] = None) -> TrainResult:

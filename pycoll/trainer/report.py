@@ -3,21 +3,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List
+from typing import List
 
+from .schema import Metrics, TrainConfig, TrainResult
 from .timing import breakdown, scaling_efficiency
 
-if TYPE_CHECKING:
-    from .loop import TrainConfig, TrainResult
-
 BAR_WIDTH = 30
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """Mean loss and accuracy (0..1) over a data set."""
-    loss: float
-    accuracy: float
 
 
 @dataclass(frozen=True)
@@ -43,7 +34,7 @@ def _split(w: Window) -> str:
             f"hidden)")
 
 
-def header_line(cfg: "TrainConfig", ranks: int, n_train: int, n_test: int, sizes: List[int]) -> str:
+def header_line(cfg: TrainConfig, ranks: int, n_train: int, n_test: int, sizes: List[int]) -> str:
     """What is being trained, on how many ranks."""
     return (f"pycoll.trainer: {ranks} rank(s), digits {n_train} train / {n_test} test, MLP "
             f"{'-'.join(map(str, sizes))} ({cfg.dtype}), {cfg.optimizer} lr {cfg.lr:g}, global batch "
@@ -61,7 +52,7 @@ def epoch_line(epoch: int, epochs: int, w: Window, test: Metrics) -> str:
             f"test loss {test.loss:.4f} acc {test.accuracy:.1%} | {_split(w)}")
 
 
-def summary_lines(result: "TrainResult", cfg: "TrainConfig") -> List[str]:
+def summary_lines(result: TrainResult, cfg: TrainConfig) -> List[str]:
     """Final metrics, each rank's mean time split per step, throughput and scaling efficiency (rank 0)."""
     assert result.records is not None and result.samples_per_s is not None and result.baseline_sps is not None
     ranks = len(result.records)
@@ -82,7 +73,7 @@ def summary_lines(result: "TrainResult", cfg: "TrainConfig") -> List[str]:
     return lines
 
 
-def _scaling_line(sps: float, ranks: int, baseline: float, cfg: "TrainConfig") -> str:
+def _scaling_line(sps: float, ranks: int, baseline: float, cfg: TrainConfig) -> str:
     if cfg.baseline_sps is not None:
         source = "passed in with --baseline-sps"
     elif ranks == 1:

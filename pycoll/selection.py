@@ -1,4 +1,5 @@
-"""Which algorithms implement which collective, PYCOLL_ALGO parsing (NCCL syntax), and the default pick.
+"""The selection layer: which algorithms implement which collective, PYCOLL_ALGO parsing (NCCL
+syntax), and the pick per call (the tuner's cheapest, or the size rules).
 
 `PYCOLL_ALGO=ring,tree;allreduce:^tree`: a bare list applies to every collective that has one
 of the named algorithms, `coll:list` to one collective, and `^` excludes instead of selecting.
@@ -10,11 +11,10 @@ import importlib
 import os
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from ..topology import Topology
-from ..transports.shm_board import SLOT_BYTES
-from ..tuner import MODELED, Tuner, info_log
+from .topology import Topology
+from .tuner import MODELED, Tuner, info_log
 
-# collective -> algorithm -> "module:function" (resolved on first use)
+# collective -> algorithm -> "module:function" in pycoll.algorithms (resolved on first use)
 IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "allreduce": {"ring": "hierarchical:ring_allreduce", "recursive_doubling": "recursive_doubling:allreduce",
                   "halving_doubling": "halving_doubling:allreduce",
@@ -84,17 +84,21 @@ def parse_algo(spec: Optional[str]) -> Dict[str, FrozenSet[str]]:
 def resolve(collective: str, algorithm: str) -> Callable:
     """The function implementing `algorithm` for `collective`."""
     module, _, func = IMPLEMENTATIONS[collective][algorithm].partition(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), func)
+    return getattr(importlib.import_module(f"pycoll.algorithms.{module}"), func)
 
 
 class Selector:
     """Picks an algorithm per call: PYCOLL_ALGO restricts the choice; among the rest the tuner's cost
-    model picks the cheapest for the communicator's topology, or (no tuner) default_order's size rule."""
+    model picks the cheapest for the communicator's topology, or (no tuner) default_order's size rule.
+    `board_bytes` is what the communicator's board slot holds, for the size rule (default: the
+    tuner's; 0: no board)."""
 
-    def __init__(self, spec: Optional[str] = None, tuner: Optional[Tuner] = None) -> None:
+    def __init__(self, spec: Optional[str] = None, tuner: Optional[Tuner] = None,
+                 board_bytes: Optional[int] = None) -> None:
         self.spec = os.environ.get("PYCOLL_ALGO", "") if spec is None else spec
         self.allowed = parse_algo(self.spec)
         self.tuner = tuner
+        self.board_bytes = board_bytes if board_bytes is not None else tuner.board_bytes if tuner else 0
         self._memo: Dict[Tuple[Any, ...], Tuple[str, Callable]] = {}
         self._modeled: Dict[str, List[str]] = {}  # collective -> what the tuner chooses among
         for coll, algos in (MODELED.items() if tuner is not None else ()):
@@ -103,6 +107,12 @@ class Selector:
             modeled = [a for a in algos if a in allowed and (named or a not in NAMED_ONLY)]
             if modeled and (not named or allowed <= set(modeled)):  # a named unmodeled one: size rule
                 self._modeled[coll] = modeled
+
+    def for_board(self, board_bytes: int, stage_bytes: int) -> "Selector":
+        """This selector (PYCOLL_ALGO and calibrated model) for a communicator with another board:
+        a slot of `board_bytes` and a stage slot of `stage_bytes` (0: none), e.g. a split child."""
+        tuner = None if self.tuner is None else Tuner(self.tuner.params, board_bytes, stage_bytes)
+        return Selector(self.spec, tuner, board_bytes)
 
     def choose(self, collective: str, nbytes: int, size: int, algo: Optional[str] = None,
                topo: Optional[Topology] = None) -> str:
@@ -119,7 +129,7 @@ class Selector:
         modeled = self._modeled.get(collective)
         if modeled and topo is not None and size > 1:
             return self._decide(collective, nbytes, topo, modeled)[0]
-        for name in default_order(collective, nbytes, size):
+        for name in default_order(collective, nbytes, size, self.board_bytes):
             if name in allowed:
                 return name
         return sorted(allowed)[0]
@@ -153,7 +163,7 @@ class Selector:
         if self.tuner is not None:
             name = self.tuner.best_phase(collective, nbytes, topo, streams)[0]
         else:
-            name = next(a for a in default_order(collective, nbytes, topo.size)
+            name = next(a for a in default_order(collective, nbytes, topo.size, self.board_bytes)
                         if a in IMPLEMENTATIONS[collective] and a not in NAMED_ONLY | {"hierarchical"})
         return self.bind(collective, name, topo)
 
@@ -176,11 +186,13 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step  # 5/8, 6/8, 7/8 or 8/8 of that power of two
 
 
-def default_order(collective: str, nbytes: int, size: int) -> List[str]:
-    """Preference order by message size, MPICH/Open MPI style (the tuner refines it)."""
+def default_order(collective: str, nbytes: int, size: int, board_bytes: int) -> List[str]:
+    """Preference order by message size, MPICH/Open MPI style (the tuner refines it); one-shot where
+    the data fits a board slot of `board_bytes` (0: the communicator has no board)."""
     pow2 = size & (size - 1) == 0
+    board = board_bytes > 0
     if collective == "allreduce":
-        if nbytes <= SLOT_BYTES:  # a board where the transport has one, else recursive doubling
+        if board and nbytes <= board_bytes:  # one post on the board
             return ["oneshot", "recursive_doubling", "halving_doubling", "ring", "tree", "binomial"]
         if nbytes <= (256 << 10):  # measured here (4 ranks, tcp): fewest steps win up to ~256 KiB
             return ["recursive_doubling", "halving_doubling", "ring", "tree", "binomial"]
@@ -188,13 +200,13 @@ def default_order(collective: str, nbytes: int, size: int) -> List[str]:
             return ["halving_doubling", "ring", "tree", "recursive_doubling", "binomial"]
         return ["ring", "halving_doubling", "tree", "recursive_doubling", "binomial"]
     if collective == "broadcast":
-        small = ["oneshot"] if nbytes <= SLOT_BYTES else []
+        small = ["oneshot"] if board and nbytes <= board_bytes else []
         return small + (["tree", "ring"] if nbytes <= (1 << 20) else ["ring", "tree"])
     if collective == "allgather":  # nbytes: the whole result; a board slot holds one rank's block
-        small = ["oneshot"] if nbytes <= SLOT_BYTES * size else []
+        small = ["oneshot"] if board and nbytes <= board_bytes * size else []
         return small + (["recursive_doubling", "ring"] if nbytes <= (64 << 10) else ["ring", "recursive_doubling"])
     if collective == "reduce":
-        return (["oneshot"] if nbytes <= SLOT_BYTES else []) + ["tree"]
+        return (["oneshot"] if board and nbytes <= board_bytes else []) + ["tree"]
     if collective == "reduce_scatter":
         return ["halving_doubling", "ring"] if pow2 and nbytes <= (1 << 20) else ["ring", "halving_doubling"]
     return list(IMPLEMENTATIONS[collective])

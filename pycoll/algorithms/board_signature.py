@@ -1,0 +1,16 @@
+"""Board post signatures: what a post on a shared-memory board is for (call kind, op, root), so
+that a rank whose peers posted for another call raises ProtocolError instead of reading them."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..ops import ReduceOp
+
+# the kinds of post, one number each: one-shot's calls, then two-shot's two posts per block
+ALLREDUCE, REDUCE, BROADCAST, ALLGATHER, BARRIER, TWOSHOT_POSTED, TWOSHOT_REDUCED = range(1, 8)
+_OPS = {op: k for k, op in enumerate(ReduceOp, 1)}
+
+
+def board_signature(kind: int, op: Optional[ReduceOp] = None, root: int = -1) -> int:
+    """The signature of a post of `kind` for reduction `op` and `root` (bits 0-3, 4-7 and 8 up)."""
+    return kind | (_OPS[op] if op is not None else 0) << 4 | (root + 1) << 8
