@@ -180,6 +180,17 @@ def test_cache_round_trip_and_expiry(monkeypatch, tmp_path):
     assert calibration.cache_dir() is None and calibration.cache_get("k2") is None
 
 
+def test_cache_entries_of_other_code_are_never_reused(monkeypatch, tmp_path):
+    """The key holds the package version and a hash of tuner.py and calibration.py."""
+    import pycoll
+    monkeypatch.setenv("PYCOLL_TUNER_CACHE", str(tmp_path))
+    assert calibration.code_version().startswith(pycoll.__version__ + "/")
+    calibration.cache_put("k", Link(1e-5, 2e-9))
+    assert calibration.cache_get("k") == Link(1e-5, 2e-9)
+    monkeypatch.setattr(calibration, "code_version", lambda: "0.0.1/0123456789abcdef")
+    assert calibration.cache_get("k") is None
+
+
 def test_table_marks_one_choice_per_size():
     text = Tuner(DEFAULT).table(interleaved(2, 2), [8, 16 * MIB], ["allreduce"])
     rows = [line for line in text.splitlines() if line.startswith("allreduce")]
