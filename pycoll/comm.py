@@ -17,6 +17,7 @@ from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .selection import Selector
 from .topology import Topology
 from .transports.base import MsgKey, Transport
+from .transports.capabilities import Board, SharedBoard
 from .work import Work, Worker
 
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
@@ -37,6 +38,7 @@ class Communicator:
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
+        self.board = self._open_board()
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -86,12 +88,6 @@ class Communicator:
                                               self.transport.name, board, stage)
         self.selector = Selector(self.selector.spec, fitted, board)
 
-    def _board_capacity(self) -> Tuple[int, int]:
-        """(slot bytes, stage bytes) of the shared-memory board this communicator's calls can use:
-        the transport's when all its ranks share a host, else (0, 0), no board."""
-        hosts = {self.membership.hosts[g] for g in self.group}
-        return (self.transport.board_bytes, self.transport.stage_bytes) if len(hosts) == 1 else (0, 0)
-
     # -- running calls ----------------------------------------------------------------------------
     def _run(self, collective: str, body: Callable[[Channel], Any], async_op: bool,
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
@@ -115,7 +111,7 @@ class Communicator:
         seq = next(self._seq)
         return Channel(transport=self.transport, group=self.group, rank=self.rank, comm_id=self.comm_id,
                        seq=seq, timeout=self.timeout if timeout is None else timeout,
-                       what=CallName(collective, seq, self.name, self.rank, self.size))
+                       what=CallName(collective, seq, self.name, self.rank, self.size), board=self.board)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:
@@ -134,6 +130,28 @@ class Communicator:
         return Channel(transport=self.transport, group=self.group, rank=self.rank,
                        comm_id=comm_hash(f"{self.name}/tuner"), seq=seq, timeout=self.timeout,
                        what=f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
+
+    def _open_board(self) -> Optional[Board]:
+        """This communicator's shared-memory board, where the transport offers one reaching every
+        member: each member claims a lane of its own board and all exchange their lane numbers (the
+        same answer on every member: a board, or None when any member has no lane left)."""
+        boards = self.transport.offers(SharedBoard)
+        if boards is None or not boards.reaches(self.group):
+            return None
+        ch = Channel(transport=self.transport, group=self.group, rank=self.rank,
+                     comm_id=comm_hash(f"{self.name}/board"), seq=1, timeout=self.timeout,
+                     what=f"board set-up of {self.name} (rank {self.rank})")
+        mine = np.array([boards.claim_lane(self.comm_id)], np.int64)
+        theirs = {m: np.empty(1, np.int64) for m in range(self.size) if m != self.rank}
+        reqs = [ch.irecv(buf, m) for m, buf in theirs.items()] + [ch.isend(mine, m) for m in theirs]
+        ch.wait(*reqs)
+        lanes = {self.group[m]: int(buf[0]) for m, buf in theirs.items()}
+        lanes[self.group[self.rank]] = int(mine[0])
+        return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
+
+    def _board_capacity(self) -> Tuple[int, int]:
+        """(slot bytes, stage bytes) of this communicator's board; (0, 0) without one."""
+        return (self.board.slot_bytes, self.board.stage_bytes) if self.board is not None else (0, 0)
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
         return self.selector.function(collective, nbytes, self.topology, algo)

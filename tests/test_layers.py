@@ -11,6 +11,7 @@ from pycoll.bootstrap.rendezvous import Membership
 from pycoll.comm import Communicator
 from pycoll.selection import Selector
 from pycoll.topology import Topology
+from pycoll.transports.capabilities import SharedBoard
 from pycoll.tuner import DEFAULT, Tuner
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pycoll"
@@ -67,13 +68,52 @@ def test_a_child_without_a_board_is_modelled_without_one_shot_while_the_world_ke
     assert static.for_board(0, 0).choose("allreduce", 8, 2) == "recursive_doubling"
 
 
+class FakeBoards(SharedBoard):
+    """Boards that reach the ranks on rank 0's host, where every rank claims lane 0."""
+
+    slot_bytes, stage_bytes = SLOT, STAGE
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def reaches(self, members):
+        return all(self.hosts[m] == self.hosts[0] for m in members)
+
+    def claim_lane(self, comm_id):
+        return 0
+
+    def open(self, comm_id, members, lanes):
+        return SimpleNamespace(slot_bytes=SLOT, stage_bytes=STAGE)
+
+
+class FakeTransport:
+    """Rank 0's transport: its peers' lane numbers (0) arrive at once; it offers FakeBoards."""
+
+    name = "auto(shm+tcp)"
+
+    def __init__(self, hosts):
+        self.boards = FakeBoards(hosts)
+
+    def offers(self, kind):
+        return self.boards if kind is SharedBoard else None
+
+    def isend(self, view, peer, key, code):
+        return ("send", peer)
+
+    def irecv(self, view, peer, key, code):
+        view[:] = bytes(view.nbytes)
+        return ("recv", peer)
+
+    def wait(self, reqs, timeout, what):
+        pass
+
+
 def _world(hosts, monkeypatch):
-    """Rank 0 of a communicator over a stand-in transport with a board, calibrated from the model."""
+    """Rank 0 of a communicator over a stand-in transport with boards, calibrated from the model."""
     monkeypatch.setenv("PYCOLL_TUNER", "model")
     monkeypatch.delenv("PYCOLL_ALGO", raising=False)
-    transport = SimpleNamespace(name="auto(shm+tcp)", board_bytes=SLOT, stage_bytes=STAGE)
     mine = [h for h in hosts if h == hosts[0]]
-    comm = Communicator(transport, range(len(hosts)), 0, "world",
+    comm = Communicator(FakeTransport(hosts), range(len(hosts)), 0, "world",
                         Membership(hosts=hosts, local_rank=0, local_size=len(mine)), 10.0)
     comm.calibrate()  # PYCOLL_TUNER=model: no probe, so no peers needed
     return comm

@@ -86,8 +86,8 @@ def test_without_mpi4py_is_a_clear_error(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_mpi_native_needs_the_mpi_transport():
-    ch = Channel(transport=SimpleNamespace(name="tcp"), group=[0, 1], rank=0, comm_id=1, seq=1, timeout=10.0,
-                 what="allreduce (call 1 on world)")
+    ch = Channel(transport=SimpleNamespace(name="tcp", offers=lambda kind: None), group=[0, 1], rank=0, comm_id=1,
+                 seq=1, timeout=10.0, what="allreduce (call 1 on world)")
     with pytest.raises(ValueError, match="mpi_native needs PYCOLL_TRANSPORT=mpi"):
         mpi_native.allreduce(ch, np.zeros(4, np.float32), ReduceOp.SUM)
 
