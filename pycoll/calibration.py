@@ -207,8 +207,8 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
 
 def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
                      transport: str, board_bytes: int = 0, stage_bytes: int = 0) -> Optional[Tuner]:
-    """The world communicator's tuner: None (static rules) under PYCOLL_TUNER=static; else the model,
-    calibrated at init unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
+    """A communicator's tuner (Communicator.calibrate, at init for the world): None (static rules)
+    under PYCOLL_TUNER=static; else the model, probed unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
     how = mode()
     if how == "static":
         return None
