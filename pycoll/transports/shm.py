@@ -34,6 +34,7 @@ from collections import deque
 import numpy as np
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
+from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
@@ -41,7 +42,6 @@ from .base import MsgKey, Request, Sink, Transport
 from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
-RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
 _MIN_RING, _MAX_RING = 64 << 10, 16 << 20
 _BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
@@ -99,7 +99,7 @@ def _ring_bytes(local: int) -> int:
     """The ring size of this rank's segment: PYCOLL_SHM_RING, or the largest power of two up to
     16 MiB (two 4 MiB ring-algorithm segments in flight) keeping all local segments within _BUDGET;
     then halved while they would take more than half of SHM_DIR's free space."""
-    want = RING_BYTES or min(_MAX_RING, _BUDGET // (local * local))
+    want = config.get("PYCOLL_SHM_RING") or min(_MAX_RING, _BUDGET // (local * local))
     ring = 1 << (max(want, _MIN_RING).bit_length() - 1)
     st = os.statvfs(SHM_DIR)
     while ring > _MIN_RING and local * _ring_at(ring, local) > st.f_bavail * st.f_frsize // 2:

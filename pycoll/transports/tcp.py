@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import socket
 import threading
@@ -20,6 +19,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import zmq
 
+from .. import config
 from ..bootstrap.netif import select_address
 from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
@@ -29,12 +29,7 @@ from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
 
-COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
-BULK_THRESHOLD = float(os.environ.get("PYCOLL_TCP_BULK_THRESHOLD", 1 << 17))  # "inf": zmq only
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
-IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
-SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
-LOCAL_SNDBUF = int(os.environ.get("PYCOLL_TCP_LOCAL_SNDBUF", 1 << 19))  # same-host bulk streams (bulk.py); 0 = autotune
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
@@ -73,14 +68,17 @@ class TcpTransport(Transport):
         """`peers`: the ranks to connect to (default all; AutoTransport passes those on other hosts)."""
         super().__init__(rank, size)
         self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
-        self._ctx = zmq.Context(io_threads=IO_THREADS)
+        self._copy_threshold = config.get("PYCOLL_TCP_COPY_THRESHOLD")
+        self._bulk_threshold = config.get("PYCOLL_TCP_BULK_THRESHOLD")  # inf: zmq only
+        self._socket_buffer = config.get("PYCOLL_TCP_SOCKET_BUFFER")  # SO_SNDBUF/SO_RCVBUF; 0: autotuning
+        self._ctx = zmq.Context(io_threads=config.get("PYCOLL_TCP_IO_THREADS"))
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, -1)
         self._router.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a silent stranger is dropped after 5 s
-        if SOCKET_BUFFER:
-            self._router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
+        if self._socket_buffer:
+            self._router.setsockopt(zmq.RCVBUF, self._socket_buffer)
         addr = address or select_address()[1]
         port = self._router.bind_to_random_port(f"tcp://{addr}")
         self.endpoint = f"tcp://{addr}:{port}"
@@ -98,7 +96,7 @@ class TcpTransport(Transport):
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._posted: Dict[_Match, Deque[Request]] = {}
         self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, Union[zmq.Frame, _Parked]]]] = {}
-        self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER, LOCAL_SNDBUF)
+        self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"))
         self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
         self._wake_r.setblocking(False)
@@ -128,8 +126,8 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
             sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
-            if SOCKET_BUFFER:
-                sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+            if self._socket_buffer:
+                sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
             if peer != self.rank:  # a dropped connection means the peer died or closed: fail fast
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._peer_monitors[monitor] = peer
@@ -159,11 +157,11 @@ class TcpTransport(Transport):
         if sock is None:
             raise ValueError(f"rank {self.rank}: this tcp transport does not connect to rank {peer} "
                              f"(it serves ranks {self.peers})")
-        if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
+        if req.nbytes >= self._bulk_threshold and peer != self.rank:
             return self._bulk_send(req, peer, key, dtype)
         with self._send_locks[peer]:
             sock.send(header, SNDMORE)
-            if req.nbytes >= COPY_THRESHOLD:
+            if req.nbytes >= self._copy_threshold:
                 req.handle = sock.send(view, copy=False, track=True)
             else:
                 sock.send(view)
