@@ -37,17 +37,17 @@ import contextlib
 import hashlib
 import logging
 import os
-import select
 import struct
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..bootstrap.store import Store
 from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Transport
+from .liveness import PidWatch
+from .matching import Matcher
 
 log = logging.getLogger("pycoll.mpi")
 
@@ -62,7 +62,6 @@ _PID = struct.Struct("<q")
 _LIVENESS_S = 0.05          # how often a waiter checks that its same-host peers still run
 _ABORT_CODE = 1             # MPI_Abort's error code when a rank exits after a peer died
 
-_Match = Tuple[int, int, int, int]   # (peer, comm_id, seq, tag)
 _Slot = Tuple[int, int]              # (peer, MPI tag)
 _Then = Optional[Callable[[Any], None]]  # what to do with an MPI request's Status once it completes
 
@@ -117,16 +116,13 @@ class MpiTransport(Transport):
         self._parent: Any = None   # mpi_native's communicators are carved out of this one
         self._native: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
         self._ops: List[Tuple[Any, _Then, bool]] = []  # (MPI request, on completion, is a send)
-        self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[_Arrival]] = {}
+        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
         self._listening: Set[_Slot] = set()   # slots with a header Irecv outstanding
         self._closed = False
         self._local = [p for p in range(size) if p != rank and hosts and hosts[p] == hosts[rank]]
-        self._pidfds: Dict[int, int] = {}     # pidfd -> same-host peer rank (readable once it exits)
-        self._watch = select.poll()
+        self._pids = PidWatch(rank)           # same-host peers' processes
         self._next_check = 0.0
-        self.failure: Optional[PeerError] = None  # set once a peer died: the job is broken
 
     # -- set-up ----------------------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -153,17 +149,13 @@ class MpiTransport(Transport):
             raise PeerError(f"rank {self.rank}: MPI ranks {strangers} hold another job token; are they "
                             "part of another pycoll job?", strangers[0])
         for p in self._local:
-            try:
-                fd = os.pidfd_open(_PID.unpack(entries[p][:_PID.size])[0])
-            except ProcessLookupError:
-                raise PeerError(f"rank {self.rank}: MPI rank {p} died while the mpi transport connected", p) from None
-            self._pidfds[fd] = p
-            self._watch.register(fd, select.POLLIN)
+            self._pids.watch(p, _PID.unpack(entries[p][:_PID.size])[0], f"MPI rank {p}")
 
     # -- data path -------------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=False)
+        if not self._matcher.admit(req, "send to"):
+            return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         tag, BYTE = self._mpi_tag(key), self._mpi.BYTE
         with self._lock:
@@ -177,21 +169,16 @@ class MpiTransport(Transport):
         return req
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=True)
-        match = (peer, key.comm_id, key.seq, key.tag)
         with self._lock:
-            arrivals = self._unexpected.get(match)
-            if not arrivals:
-                self._posted.setdefault(match, deque()).append(req)
-                slot = (peer, self._mpi_tag(key))
-                self._waiting[slot] = self._waiting.get(slot, 0) + 1
-                if slot not in self._listening:
-                    self._listen(slot)
+            arrival = self._matcher.post(req)
+            if arrival is None:
+                if not req.done:  # posted: listen for its header
+                    slot = (peer, self._mpi_tag(key))
+                    self._waiting[slot] = self._waiting.get(slot, 0) + 1
+                    if slot not in self._listening:
+                        self._listen(slot)
                 return req
-            arrival = arrivals.popleft()
-            if not arrivals:
-                del self._unexpected[match]
             if arrival.ready:
                 self._deliver(req, arrival.header, arrival.data)
             else:
@@ -200,11 +187,8 @@ class MpiTransport(Transport):
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         """As Transport.wait_for; once a same-host peer died, every pending request fails naming it."""
-        done = self._poll(lambda: self.failure is not None or all(r.done for r in reqs), timeout)
-        if self.failure is not None:
-            for r in reqs:
-                if not r.done:
-                    r.error, r.done = self.failure, True
+        done = self._poll(lambda: self._matcher.broken is not None or all(r.done for r in reqs), timeout)
+        self._matcher.fail_pending(reqs)
         return done
 
     def _poll(self, finished: Callable[[], bool], timeout: float) -> bool:
@@ -218,7 +202,7 @@ class MpiTransport(Transport):
             if finished():
                 return True
             now = time.monotonic()
-            if now >= self._next_check and self._pidfds:
+            if now >= self._next_check and self._pids.fds:
                 self._next_check = now + _LIVENESS_S
                 self._check_peers()
                 if finished():
@@ -234,26 +218,17 @@ class MpiTransport(Transport):
                 pause = min(pause * _GROWTH, _MAX_PAUSE)
 
     # -- dead peers ------------------------------------------------------------------------------
-    def _check_alive(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
     def _check_peers(self) -> None:
         """Declare the job broken if a same-host peer's process has exited (its pidfd is readable)."""
-        if self.failure is not None:
+        gone = self._pids.exited()
+        if not gone or self._matcher.broken is not None:
             return
-        gone = sorted(self._pidfds[fd] for fd, _ in self._watch.poll(0))
-        if not gone:
-            return
-        self.failure = PeerError(f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this "
-                                 "communicator cannot complete collectives any more, and MPI cannot "
-                                 "finalize: this rank calls MPI_Abort when it exits", gone[0])
         log.warning("rank %d: MPI rank(s) %s died; failing every pending operation", self.rank, gone)
         with self._lock:
-            for queue in self._posted.values():
-                for req in queue:
-                    req.error, req.done = self.failure, True
-            self._posted.clear()
+            self._matcher.break_job(PeerError(
+                f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this communicator cannot "
+                "complete collectives any more, and MPI cannot finalize: this rank calls MPI_Abort when it "
+                "exits", gone[0]))
         atexit.register(self._abort)
 
     def _abort(self) -> None:
@@ -297,11 +272,8 @@ class MpiTransport(Transport):
         match = (peer, header.comm_id, header.seq, header.tag)
         eager = header.nbytes <= EAGER_BYTES
         data = memoryview(buf)[wire.HEADER.size:wire.HEADER.size + header.nbytes] if eager else None
-        queue = self._posted.get(match)
-        if queue:
-            req = queue.popleft()
-            if not queue:
-                del self._posted[match]
+        req = self._matcher.take(match)
+        if req is not None:
             self._waiting[slot] -= 1
             if eager:
                 self._deliver(req, header, data)
@@ -314,7 +286,7 @@ class MpiTransport(Transport):
                     req.done = True
         else:
             arrival = _Arrival(header, data, eager)
-            self._unexpected.setdefault(match, deque()).append(arrival)
+            self._matcher.stash(match, arrival)
             if not eager:
                 arrival.data = bytearray(header.nbytes)
                 self._receive(arrival.data, peer, tag, lambda status: self._arrived(arrival))
@@ -383,20 +355,18 @@ class MpiTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        for fd in self._pidfds:
-            self._watch.unregister(fd)
-            os.close(fd)
-        self._pidfds.clear()
+        self._pids.close()
         if self._mpi.Is_finalized():
             return
-        linger = 0.0 if self.failure is not None else _LINGER  # sends to a dead rank never finish
+        broken = self._matcher.broken is not None
+        linger = 0.0 if broken else _LINGER  # sends to a dead rank never finish
         self._poll(lambda: not any(is_send for _, _, is_send in self._ops), linger)
         with self._lock:
             for req, _, is_send in self._ops:
                 if not is_send:
                     req.Cancel()
             self._ops = [(req, None, is_send) for req, _, is_send in self._ops]
-        if not self._poll(lambda: not self._ops, linger) and self.failure is None:
+        if not self._poll(lambda: not self._ops, linger) and not broken:
             log.warning("rank %d: mpi transport closed with %d MPI requests unfinished", self.rank,
                         len(self._ops))
         for comm in (*self._native.values(), self._parent, self._comm):
