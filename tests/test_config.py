@@ -178,7 +178,10 @@ def test_pycoll_env_prints_values_tables_and_rewrites_a_readme(monkeypatch, caps
     monkeypatch.setenv("PYCOLL_TIMEOUT", "30")
     assert env_cli.main([]) == 0
     out = capsys.readouterr().out
-    assert "PYCOLL_TIMEOUT=30.0  (set)\n" in out and "PYCOLL_TRANSPORT=auto\n" in out
+    assert "PYCOLL_TIMEOUT=30.0  (set)\n" in out and "PYCOLL_TRANSPORT=auto\n" in out and "PYCOLL_ALGO=unset\n" in out
+    monkeypatch.setenv("PYCOLL_TIMEOUT", "soon")
+    assert env_cli.main([]) == 2
+    assert "pycoll env: PYCOLL_TIMEOUT='soon' is not valid" in capsys.readouterr().err
     assert env_cli.main(["--markdown"]) == 0
     assert capsys.readouterr().out == config.markdown_table() + "\n\n" + config.markdown_table(test=True) + "\n"
     readme = tmp_path / "README.md"

@@ -3,9 +3,11 @@ README's environment tables (`--markdown`; `--readme README.md` rewrites them in
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import List, Optional
 
 from .. import config
+from ..errors import EnvError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -21,8 +23,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.readme, "w") as fh:
             fh.write(config.render_readme(text))
     else:
-        for name, value in config.load().items():
+        try:
+            values = config.load()
+        except EnvError as e:
+            print(f"pycoll env: {e}", file=sys.stderr)
+            return 2
+        for name, value in values.items():
             var = config.REGISTRY[name]
-            shown = "(hidden)" if var.secret and value is not None else value
+            shown = "unset" if value is None else "(hidden)" if var.secret else value
             print(f"{name}={shown}{'' if value == var.parse(None) else '  (set)'}")
     return 0
