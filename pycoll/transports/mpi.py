@@ -19,7 +19,7 @@ it keeps polling for 0.5 ms, yielding the CPU after each pass (on an oversubscri
 waits for gets to run), then sleeps 20 us growing by 1.25x to 1 ms. Sleeping sooner made every
 latency-bound step wait out a peer's sleep: 8 B ring allreduce on 4 ranks / 2 cores went 1 -> 7 ms.
 One lock guards the matching tables and every MPI call made here (all MPI_THREAD_SERIALIZED needs);
-mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see serialized()).
+mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see _MpiComms).
 
 Dead peers: MPI itself never says that a rank died (Open MPI 4.1 has no ULFM; by default mpirun
 SIGTERMs the whole job ~0.5 s after a rank dies, and with `--mca orte_abort_on_non_zero_status 0`
@@ -46,6 +46,7 @@ from ..bootstrap.store import Store
 from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Transport
+from .capabilities import MpiCommunicators
 from .liveness import PidWatch
 from .matching import Matcher
 
@@ -115,6 +116,7 @@ class MpiTransport(Transport):
         self._comm: Any = None     # pycoll's p2p traffic
         self._parent: Any = None   # mpi_native's communicators are carved out of this one
         self._native: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
+        self.capabilities[MpiCommunicators] = _MpiComms(self)
         self._ops: List[Tuple[Any, _Then, bool]] = []  # (MPI request, on completion, is a send)
         self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
@@ -327,28 +329,6 @@ class MpiTransport(Transport):
     def _finish(req: Request) -> None:
         req.done = True
 
-    # -- for mpi_native --------------------------------------------------------------------------
-    def serialized(self) -> ContextManager[Any]:
-        """The context any other MPI call of this process must run in: this transport's lock, unless
-        MPI provides MPI_THREAD_MULTIPLE (then none)."""
-        return self._outside
-
-    def mpi_comm_for(self, group: Sequence[int], comm_id: int) -> Any:
-        """The MPI communicator whose rank i is world rank group[i], one per pycoll communicator.
-
-        Made on first use with Create_group, which only the group's ranks call: they all reach it at
-        the same collective call of that communicator, so the collective creation is safe.
-        """
-        key = (comm_id, tuple(group))
-        comm = self._native.get(key)
-        if comm is None:
-            ranks = self._parent.Get_group().Incl(list(group))
-            with self._outside:
-                comm = self._parent.Create_group(ranks, tag=comm_id % self.tag_space)
-            ranks.Free()
-            comm = self._native.setdefault(key, comm)
-        return comm
-
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         """Let sends in flight finish (bounded), cancel receives nobody got, free the communicators."""
@@ -373,3 +353,27 @@ class MpiTransport(Transport):
             if comm is not None:
                 comm.Free()
         self._native.clear()
+
+
+class _MpiComms(MpiCommunicators):
+    """One MPI communicator per pycoll communicator, carved out of the transport's parent Dup."""
+
+    def __init__(self, transport: MpiTransport) -> None:
+        self._t = transport
+
+    def serialized(self) -> ContextManager[Any]:
+        return self._t._outside
+
+    def comm_for(self, group: Sequence[int], comm_id: int) -> Any:
+        """Made on first use with Create_group, which only the group's ranks call: they all reach it at
+        the same collective call of that communicator, so the collective creation is safe."""
+        t = self._t
+        key = (comm_id, tuple(group))
+        comm = t._native.get(key)
+        if comm is None:
+            ranks = t._parent.Get_group().Incl(list(group))
+            with t._outside:
+                comm = t._parent.Create_group(ranks, tag=comm_id % t.tag_space)
+            ranks.Free()
+            comm = t._native.setdefault(key, comm)
+        return comm

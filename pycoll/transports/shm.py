@@ -31,7 +31,6 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
@@ -41,7 +40,8 @@ from . import wire
 from .base import MsgKey, Request, Sink, Transport
 from .liveness import PidWatch
 from .matching import Match, Matcher
-from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
+from .capabilities import SharedBoard, SinkReceive
+from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
 _MIN_RING, _MAX_RING = 64 << 10, 16 << 20
@@ -152,9 +152,6 @@ class ShmTransport(Transport):
     """Tagged point-to-point between the ranks of one host through shared-memory rings."""
 
     name = "shm"
-    supports_sink = True
-    board_bytes = SLOT_BYTES
-    stage_bytes = STAGE_BYTES
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:
@@ -183,7 +180,7 @@ class ShmTransport(Transport):
         self._bell: Optional[socket.socket] = None
         self._poll = select.poll()
         self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
-        self._boards: Dict[int, Optional[ShmBoard]] = {}  # comm id -> its board (None: it has none)
+        self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self)})
         self._closed = False
 
     # -- connection set-up -------------------------------------------------------------------
@@ -324,32 +321,6 @@ class ShmTransport(Transport):
             elif not req.done:
                 p.expecting += 1
         return req
-
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float,
-              what: object) -> Optional[ShmBoard]:
-        """The board of communicator `comm_id` (ranks `members`): set up at its first use, which every
-        member reaches in the same call `seq`; None if a member has no lane left (then all agree)."""
-        if comm_id in self._boards:
-            return self._boards[comm_id]
-        me = self._peers[self.rank]
-        mine = np.array([claim_lane(me.board_ctrl, comm_id)], np.int64)
-        key = MsgKey(comm_id, seq, HANDSHAKE_TAG)
-        others = [m for m in members if m != self.rank]
-        theirs = {m: np.empty(1, np.int64) for m in others}
-        reqs = [self.irecv(memoryview(theirs[m]).cast("B"), m, key) for m in others]
-        reqs += [self.isend(memoryview(mine).cast("B"), m, key) for m in others]
-        self.wait(reqs, timeout, f"{what}: board set-up")
-        lanes = {m: int(v[0]) for m, v in theirs.items()}
-        lanes[self.rank] = int(mine[0])
-        board = None
-        if min(lanes.values()) >= 0:
-            peers = {m: self._peer(m) for m in members}
-            board = ShmBoard(self.rank, comm_id, members, lanes,
-                             {m: p.board_ctrl for m, p in peers.items()},
-                             {m: p.board for m, p in peers.items()},
-                             lambda ranks: self._wake_sleepers([peers[m] for m in ranks]), self.wait)
-        self._boards[comm_id] = board
-        return board
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
@@ -729,3 +700,26 @@ class ShmTransport(Transport):
             if self._path is not None:  # connect() failed before every peer mapped it
                 os.unlink(self._path)
                 self._path = None
+
+
+class _Boards(SharedBoard):
+    """The boards of an shm transport's segments: a lane in each member's own segment."""
+
+    slot_bytes = SLOT_BYTES
+    stage_bytes = STAGE_BYTES
+
+    def __init__(self, transport: ShmTransport) -> None:
+        self._t = transport
+
+    def reaches(self, members: Sequence[int]) -> bool:
+        return all(self._t._peers[m] is not None for m in members)
+
+    def claim_lane(self, comm_id: int) -> int:
+        return claim_lane(self._t._peer(self._t.rank).board_ctrl, comm_id)
+
+    def open(self, comm_id: int, members: Sequence[int], lanes: Dict[int, int]) -> ShmBoard:
+        t = self._t
+        peers = {m: t._peer(m) for m in members}
+        return ShmBoard(t.rank, comm_id, members, lanes, {m: p.board_ctrl for m, p in peers.items()},
+                        {m: p.board for m, p in peers.items()},
+                        lambda ranks: t._wake_sleepers([peers[m] for m in ranks]), t.wait)

@@ -24,6 +24,7 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
+from .capabilities import SinkReceive
 from .matching import Matcher, fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
@@ -60,12 +61,12 @@ class TcpTransport(Transport):
     """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
 
     name = "tcp"
-    supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, peers: Optional[Sequence[int]] = None) -> None:
         """`peers`: the ranks to connect to (default all; AutoTransport passes those on other hosts)."""
         super().__init__(rank, size)
+        self.capabilities[SinkReceive] = SinkReceive()
         self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
         self._copy_threshold = config.get("PYCOLL_TCP_COPY_THRESHOLD")
         self._bulk_threshold = config.get("PYCOLL_TCP_BULK_THRESHOLD")  # inf: zmq only

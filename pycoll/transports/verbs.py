@@ -36,6 +36,7 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
+from .capabilities import SinkReceive
 from .matching import Matcher, fail, fail_all
 from .verbs_device import (LandingPool, MrCache, Port, Registration, SlotPool, load_pyverbs, open_channel,
                            open_port)
@@ -109,11 +110,11 @@ class VerbsTransport(Transport):
     """Tagged point-to-point over RDMA (InfiniBand or RoCE, soft-RoCE included) with pyverbs."""
 
     name = "verbs"
-    supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
         super().__init__(rank, size)
+        self.capabilities[SinkReceive] = SinkReceive()
         self._pv = pv = load_pyverbs()
         self._slot = config.get("PYCOLL_VERBS_SLOT")        # bytes per receive slot: the eager limit
         self._eager_max = self._slot - PREFIX
