@@ -36,9 +36,9 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import Request, Transport
 from .liveness import PidWatch
-from .matching import Match, Matcher
+from .matching import Match
 from .capabilities import SharedBoard, SinkReceive
 from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
@@ -89,11 +89,6 @@ def _layout(off: int, nbytes: int, ring: int) -> Tuple[int, int]:
 def _ring_at(ring: int, slot: int) -> int:
     """Byte offset of ring `slot`'s control block in a segment of rings of `ring` bytes."""
     return _PAGE + BOARD_BYTES + slot * (_PAGE + ring)
-
-
-def _as_bytes(view: memoryview) -> memoryview:
-    """A flat unsigned-byte view, so slicing counts bytes whatever the caller's format."""
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _ring_bytes(local: int) -> int:
@@ -173,7 +168,6 @@ class ShmTransport(Transport):
         self._cond = threading.Condition(self._lock)  # followers wait here while another thread drives
         self._driving = False
         self._followers = 0
-        self._matcher: Matcher[_Inbound] = Matcher(rank)
         self._maps: List[mmap.mmap] = []
         self._views: List[memoryview] = []  # every view into the maps, released before unmapping
         self._path: Optional[str] = None    # my segment's file, until unlinked
@@ -181,7 +175,6 @@ class ShmTransport(Transport):
         self._poll = select.poll()
         self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
         self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self)})
-        self._closed = False
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -298,29 +291,22 @@ class ShmTransport(Transport):
                             "not trusting it", src) from None
 
     # -- posting -------------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        p = self._peer(peer)
-        req = Request(peer, key, _as_bytes(view), dtype, is_recv=False)
-        if not self._matcher.admit(req, "send to"):
-            return req
-        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+    def _start_send(self, req: Request) -> None:
+        p, key = self._peer(req.peer), req.key
+        header = wire.pack_header(wire.KIND_DATA, req.dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
             if p.queue or not self._put(p, header, req):
                 p.queue.append(_Outbound(req, header))
                 self._push(p)
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        p = self._peer(peer)
-        req = Request(peer, key, _as_bytes(view), dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
+        p = self._peer(req.peer)
         with self._lock:
-            inb = self._matcher.post(req)
+            inb = self.matcher.post(req)
             if inb is not None:
                 self._claim(inb, req)
             elif not req.done:
                 p.expecting += 1
-        return req
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
@@ -338,8 +324,8 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._lock:
             while not all(r.done for r in reqs):
-                if self._matcher.broken is not None:
-                    self._matcher.fail_pending(reqs)
+                if self.matcher.broken is not None:
+                    self.matcher.fail_pending(reqs)
                     return True
                 if not self._driving:
                     self._driving = True
@@ -375,8 +361,8 @@ class ShmTransport(Transport):
                 idle = 0
             if all(r.done for r in reqs):
                 return True
-            if self._matcher.broken is not None:
-                self._matcher.fail_pending(reqs)
+            if self.matcher.broken is not None:
+                self.matcher.fail_pending(reqs)
                 return True
             now = time.monotonic()
             if now >= deadline:
@@ -422,7 +408,7 @@ class ShmTransport(Transport):
         """Local peer `peer`'s process exited: if it never closed its transport it died, which breaks
         every collective of this job; a peer that closed fails only what waits on it (_fail_if_gone)."""
         if not self._peers[peer].flags[_CLOSED]:
-            self._matcher.break_job(PeerError(
+            self.matcher.break_job(PeerError(
                 f"rank {self.rank}: rank {peer} died (its process exited without closing its shm transport); "
                 "this communicator cannot complete collectives any more", peer))
 
@@ -434,7 +420,7 @@ class ShmTransport(Transport):
         closed = self._peers[gone].flags[_CLOSED]
         if closed >= _CLOSED_AFTER:
             dead = closed - _CLOSED_AFTER
-            self._matcher.break_job(PeerError(
+            self.matcher.break_job(PeerError(
                 f"rank {self.rank}: rank {dead} died (rank {gone} saw it and closed its shm transport); this "
                 "communicator cannot complete collectives any more", dead))
 
@@ -448,8 +434,8 @@ class ShmTransport(Transport):
                 continue
             except ConnectionRefusedError:
                 self._learn_failure(peer)
-                self._matcher.peer_gone(peer, "it died or closed its shm transport")
-        return self._matcher.fail_pending(reqs)
+                self.matcher.peer_gone(peer, "it died or closed its shm transport")
+        return self.matcher.fail_pending(reqs)
 
     def _poke(self, p: _Peer) -> None:
         try:
@@ -610,7 +596,7 @@ class ShmTransport(Transport):
         ring = p.in_size
         off = rpos & (ring - 1)
         match, nbytes, dtype = p.held or self._header(p, off)
-        first = self._matcher.waiting(match)
+        first = self.matcher.waiting(match)
         if first is None and not (drain or p.expecting):
             p.held = match, nbytes, dtype
             return None
@@ -624,9 +610,9 @@ class ShmTransport(Transport):
         inb = _Inbound(nbytes, dtype, skip, body)
         if first is None:
             inb.dest = memoryview(bytearray(nbytes))
-            self._matcher.stash(match, inb)
+            self.matcher.stash(match, inb)
             return inb
-        req = self._matcher.take(match)
+        req = self.matcher.take(match)
         p.expecting -= 1
         req.check_incoming(self.rank, nbytes, dtype)
         if req.error is not None:  # rejected: the payload is read and dropped
@@ -672,17 +658,14 @@ class ShmTransport(Transport):
             inb.dest, inb.req = req.view, req
 
     # -- shutdown ------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             queued = [ob.req for p in self._active for ob in p.queue]
         if queued:
             self.wait_for(queued, _LINGER)
         with self._lock:
             if self._peers[self.rank] is not None:  # peers now tell my exit from a death, and learn its cause
-                broken = self._matcher.broken
+                broken = self.matcher.broken
                 dead = broken.peer if broken is not None else None
                 self._peers[self.rank].flags[_CLOSED] = 1 if dead is None else _CLOSED_AFTER + dead
             self._pids.close()

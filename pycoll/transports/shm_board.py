@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..errors import ProtocolError
-from .base import MsgKey, Request
+from .request import MsgKey, Request
 from .capabilities import Board
 
 LANES = 16
