@@ -10,6 +10,7 @@ import numpy as np
 
 from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
+from .transports.capabilities import Board, SinkReceive
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
@@ -34,9 +35,10 @@ class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
-                 seq: int, timeout: float, what: object) -> None:
+                 seq: int, timeout: float, what: object, board: Optional[Board] = None) -> None:
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
+        self.board = board  # the communicator's shared-memory board, where it has one
         self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
 
     def isend(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
@@ -58,7 +60,7 @@ class Channel:
         """
         key = MsgKey(self.comm_id, self.seq, tag)
         code = dtype_code(out.dtype)
-        if self.transport.supports_sink:
+        if self.transport.offers(SinkReceive) is not None:
             size = out.dtype.itemsize
 
             def sink(piece: memoryview, offset: int) -> None:
@@ -84,7 +86,7 @@ class Channel:
         does not fit its slots (the same on every rank). `sig` says what the call is (collective, op,
         root): a rank whose peers posted another size, dtype or signature raises ProtocolError. The
         arrays view shared memory: read them before this communicator's next call but one."""
-        board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
+        board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
         return board.exchange(arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
@@ -92,8 +94,7 @@ class Channel:
 
     def stage_bytes(self) -> int:
         """What one stage slot of this communicator's board holds (0: no board, or no stage)."""
-        board = self.transport.board(self.comm_id, self.group, self.seq, self.timeout, self.what)
-        return board.stage_bytes if board is not None else 0
+        return self.board.stage_bytes if self.board is not None else 0
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int, tag: int = 0) -> None:
         """Exchange in one step: post the receive first so the peer's send lands directly."""

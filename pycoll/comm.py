@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from .channel import CallName, Channel, byte_view
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .topology import Topology
 from .transports.base import MsgKey, Transport
+from .transports.capabilities import Board, SharedBoard
 from .work import Work, Worker
 
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
@@ -41,9 +42,10 @@ class Communicator:
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
+        self.board = self._open_board()
+        slot_bytes, stage_bytes = self._board_capacity()
         self.selector = selector or Selector(tuner=tuner.for_communicator(
-            self._tuner_channel, rank, self.topology, transport.name, transport.board_bytes,
-            transport.stage_bytes))
+            self._tuner_channel, rank, self.topology, transport.name, slot_bytes, stage_bytes))
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -100,7 +102,7 @@ class Communicator:
         seq = next(self._seq)
         return Channel(self.transport, self.group, self.rank, self.comm_id, seq,
                        self.timeout if timeout is None else timeout,
-                       CallName(collective, seq, self.name, self.rank, self.size))
+                       CallName(collective, seq, self.name, self.rank, self.size), self.board)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:
@@ -118,6 +120,27 @@ class Communicator:
         """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
         return Channel(self.transport, self.group, self.rank, comm_hash(f"{self.name}/tuner"), seq,
                        self.timeout, f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
+
+    def _open_board(self) -> Optional[Board]:
+        """This communicator's shared-memory board, where the transport offers one reaching every
+        member: each member claims a lane of its own board and all exchange their lane numbers (the
+        same answer on every member: a board, or None when any member has no lane left)."""
+        boards = self.transport.offers(SharedBoard)
+        if boards is None or not boards.reaches(self.group):
+            return None
+        ch = Channel(self.transport, self.group, self.rank, comm_hash(f"{self.name}/board"), 1, self.timeout,
+                     f"board set-up of {self.name} (rank {self.rank})")
+        mine = np.array([boards.claim_lane(self.comm_id)], np.int64)
+        theirs = {m: np.empty(1, np.int64) for m in range(self.size) if m != self.rank}
+        reqs = [ch.irecv(buf, m) for m, buf in theirs.items()] + [ch.isend(mine, m) for m in theirs]
+        ch.wait(*reqs)
+        lanes = {self.group[m]: int(buf[0]) for m, buf in theirs.items()}
+        lanes[self.group[self.rank]] = int(mine[0])
+        return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
+
+    def _board_capacity(self) -> Tuple[int, int]:
+        """(slot bytes, stage bytes) of this communicator's board; (0, 0) without one."""
+        return (self.board.slot_bytes, self.board.stage_bytes) if self.board is not None else (0, 0)
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
         return self.selector.function(collective, nbytes, self.topology, algo)

@@ -12,6 +12,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from pycoll.algorithms.registry import IMPLEMENTATIONS
+from pycoll.transports.capabilities import MpiCommunicators
 
 UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
@@ -58,7 +59,7 @@ def run_matrix(comm, collectives: Tuple[str, ...], big: bool) -> Dict[str, objec
     salt = 0
     for coll in collectives:
         for algo in IMPLEMENTATIONS[coll]:
-            if algo == "mpi_native" and not hasattr(comm.transport, "mpi_comm_for"):
+            if algo == "mpi_native" and comm.transport.offers(MpiCommunicators) is None:
                 continue  # MPI's own collectives exist only over the mpi transport
             for count in counts_for(n, big):
                 combos = COMBOS if count < 10_000 else [("float32", "sum")]

@@ -86,7 +86,7 @@ def test_without_mpi4py_is_a_clear_error(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_mpi_native_needs_the_mpi_transport():
-    ch = Channel(SimpleNamespace(name="tcp"), [0, 1], 0, 1, 1, 10.0, "allreduce (call 1 on world)")
+    ch = Channel(SimpleNamespace(name="tcp", offers=lambda kind: None), [0, 1], 0, 1, 1, 10.0, "allreduce (call 1 on world)")
     with pytest.raises(ValueError, match="mpi_native needs PYCOLL_TRANSPORT=mpi"):
         mpi_native.allreduce(ch, np.zeros(4, np.float32), ReduceOp.SUM)
 

@@ -166,8 +166,7 @@ def _instrument(comm, rec):
     real_isend = tr.isend
 
     def isend(view, peer, key, dtype=0):
-        if key.tag != shm_board.HANDSHAKE_TAG:  # the board's one-time lane agreement
-            rec["sends"].append((tr.rank, peer, view.nbytes, key.tag, key.comm_id, key.seq))
+        rec["sends"].append((tr.rank, peer, view.nbytes, key.tag, key.comm_id, key.seq))
         return real_isend(view, peer, key, dtype)
     tr.isend = isend
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..channel import Channel, byte_view
 from ..ops import AVG, ReduceOp, reduce_into
+from ..transports.capabilities import MpiCommunicators
 from .ring import displacements
 
 
@@ -29,12 +30,12 @@ def _mpi() -> Any:
 @contextlib.contextmanager
 def _native(ch: Channel) -> Iterator[Any]:
     """The MPI communicator of the channel's group, held in the transport's MPI context."""
-    comm_for = getattr(ch.transport, "mpi_comm_for", None)
-    if comm_for is None:
+    mpi = ch.transport.offers(MpiCommunicators)
+    if mpi is None:
         raise ValueError(f"mpi_native needs PYCOLL_TRANSPORT=mpi (under mpirun), but {ch.what} runs over "
                          f"the {ch.transport.name} transport; choose another algorithm")
-    comm = comm_for(ch.group, ch.comm_id)
-    with ch.transport.serialized():
+    comm = mpi.comm_for(ch.group, ch.comm_id)
+    with mpi.serialized():
         yield comm
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Type, TypeVar
 
 Sink = Callable[[memoryview, int], None]
 """Consumes a received payload in place: sink(piece, offset) once or several times, in order; each
@@ -16,6 +16,9 @@ piece starts at byte `offset` of the message, a multiple of 16 (so of every dtyp
 
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
+from .capabilities import Capability
+
+C = TypeVar("C", bound=Capability)
 
 
 class MsgKey(NamedTuple):
@@ -67,12 +70,14 @@ class Transport(ABC):
     """Full-mesh point-to-point between the ranks of one job."""
 
     name = "base"
-    supports_sink = False  # True when irecv(..., sink=f) hands the payload to f without a copy
-    board_bytes = 0        # what one slot of board() holds (0: no board)
-    stage_bytes = 0        # what one stage slot of board() holds at most (0: no stage)
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
+        self.capabilities: Dict[type, Capability] = {}  # what it offers beyond point-to-point, by kind
+
+    def offers(self, kind: Type[C]) -> Optional[C]:
+        """This transport's capability of class `kind` (capabilities.py), or None."""
+        return self.capabilities.get(kind)  # type: ignore[return-value]
 
     @abstractmethod
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -87,7 +92,7 @@ class Transport(ABC):
               sink: Optional[Sink] = None) -> Request:
         """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`.
 
-        With `sink` (only where supports_sink), the payload is passed to sink(piece, offset) instead,
+        With `sink` (only where the transport offers SinkReceive), the payload is passed to sink(piece, offset) instead,
         in the progressing thread, e.g. to reduce straight from the wire buffer while it is in cache.
         """
 
@@ -100,12 +105,6 @@ class Transport(ABC):
         if not self.wait_for(reqs, timeout):
             raise self._timeout_error(reqs, timeout, what)
         self._raise_errors(reqs, what)
-
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: object) -> Any:
-        """A shared-memory board for communicator `comm_id` (see shm_board.ShmBoard), or None where the
-        transport has none or the members do not all share this host. Every member calls it in the
-        same call `seq` (the first use may exchange messages), and all get a board or all get None."""
-        return None
 
     @abstractmethod
     def close(self) -> None:

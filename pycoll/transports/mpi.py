@@ -19,7 +19,7 @@ it keeps polling for 0.5 ms, yielding the CPU after each pass (on an oversubscri
 waits for gets to run), then sleeps 20 us growing by 1.25x to 1 ms. Sleeping sooner made every
 latency-bound step wait out a peer's sleep: 8 B ring allreduce on 4 ranks / 2 cores went 1 -> 7 ms.
 One lock guards the matching tables and every MPI call made here (all MPI_THREAD_SERIALIZED needs);
-mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see serialized()).
+mpi_native's collectives take it too unless MPI provides MPI_THREAD_MULTIPLE (see _MpiComms).
 
 Dead peers: MPI itself never says that a rank died (Open MPI 4.1 has no ULFM; by default mpirun
 SIGTERMs the whole job ~0.5 s after a rank dies, and with `--mca orte_abort_on_non_zero_status 0`
@@ -37,17 +37,18 @@ import contextlib
 import hashlib
 import logging
 import os
-import select
 import struct
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..bootstrap.store import Store
 from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Transport
+from .capabilities import MpiCommunicators
+from .liveness import PidWatch
+from .matching import Matcher
 
 log = logging.getLogger("pycoll.mpi")
 
@@ -62,7 +63,6 @@ _PID = struct.Struct("<q")
 _LIVENESS_S = 0.05          # how often a waiter checks that its same-host peers still run
 _ABORT_CODE = 1             # MPI_Abort's error code when a rank exits after a peer died
 
-_Match = Tuple[int, int, int, int]   # (peer, comm_id, seq, tag)
 _Slot = Tuple[int, int]              # (peer, MPI tag)
 _Then = Optional[Callable[[Any], None]]  # what to do with an MPI request's Status once it completes
 
@@ -116,17 +116,15 @@ class MpiTransport(Transport):
         self._comm: Any = None     # pycoll's p2p traffic
         self._parent: Any = None   # mpi_native's communicators are carved out of this one
         self._native: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
+        self.capabilities[MpiCommunicators] = _MpiComms(self)
         self._ops: List[Tuple[Any, _Then, bool]] = []  # (MPI request, on completion, is a send)
-        self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[_Arrival]] = {}
+        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
         self._listening: Set[_Slot] = set()   # slots with a header Irecv outstanding
         self._closed = False
         self._local = [p for p in range(size) if p != rank and hosts and hosts[p] == hosts[rank]]
-        self._pidfds: Dict[int, int] = {}     # pidfd -> same-host peer rank (readable once it exits)
-        self._watch = select.poll()
+        self._pids = PidWatch(rank)           # same-host peers' processes
         self._next_check = 0.0
-        self.failure: Optional[PeerError] = None  # set once a peer died: the job is broken
 
     # -- set-up ----------------------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -153,17 +151,13 @@ class MpiTransport(Transport):
             raise PeerError(f"rank {self.rank}: MPI ranks {strangers} hold another job token; are they "
                             "part of another pycoll job?", strangers[0])
         for p in self._local:
-            try:
-                fd = os.pidfd_open(_PID.unpack(entries[p][:_PID.size])[0])
-            except ProcessLookupError:
-                raise PeerError(f"rank {self.rank}: MPI rank {p} died while the mpi transport connected", p) from None
-            self._pidfds[fd] = p
-            self._watch.register(fd, select.POLLIN)
+            self._pids.watch(p, _PID.unpack(entries[p][:_PID.size])[0], f"MPI rank {p}")
 
     # -- data path -------------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=False)
+        if not self._matcher.admit(req, "send to"):
+            return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         tag, BYTE = self._mpi_tag(key), self._mpi.BYTE
         with self._lock:
@@ -177,21 +171,16 @@ class MpiTransport(Transport):
         return req
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        self._check_alive()
         req = Request(peer, key, view, dtype, is_recv=True)
-        match = (peer, key.comm_id, key.seq, key.tag)
         with self._lock:
-            arrivals = self._unexpected.get(match)
-            if not arrivals:
-                self._posted.setdefault(match, deque()).append(req)
-                slot = (peer, self._mpi_tag(key))
-                self._waiting[slot] = self._waiting.get(slot, 0) + 1
-                if slot not in self._listening:
-                    self._listen(slot)
+            arrival = self._matcher.post(req)
+            if arrival is None:
+                if not req.done:  # posted: listen for its header
+                    slot = (peer, self._mpi_tag(key))
+                    self._waiting[slot] = self._waiting.get(slot, 0) + 1
+                    if slot not in self._listening:
+                        self._listen(slot)
                 return req
-            arrival = arrivals.popleft()
-            if not arrivals:
-                del self._unexpected[match]
             if arrival.ready:
                 self._deliver(req, arrival.header, arrival.data)
             else:
@@ -200,11 +189,8 @@ class MpiTransport(Transport):
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         """As Transport.wait_for; once a same-host peer died, every pending request fails naming it."""
-        done = self._poll(lambda: self.failure is not None or all(r.done for r in reqs), timeout)
-        if self.failure is not None:
-            for r in reqs:
-                if not r.done:
-                    r.error, r.done = self.failure, True
+        done = self._poll(lambda: self._matcher.broken is not None or all(r.done for r in reqs), timeout)
+        self._matcher.fail_pending(reqs)
         return done
 
     def _poll(self, finished: Callable[[], bool], timeout: float) -> bool:
@@ -218,7 +204,7 @@ class MpiTransport(Transport):
             if finished():
                 return True
             now = time.monotonic()
-            if now >= self._next_check and self._pidfds:
+            if now >= self._next_check and self._pids.fds:
                 self._next_check = now + _LIVENESS_S
                 self._check_peers()
                 if finished():
@@ -234,26 +220,17 @@ class MpiTransport(Transport):
                 pause = min(pause * _GROWTH, _MAX_PAUSE)
 
     # -- dead peers ------------------------------------------------------------------------------
-    def _check_alive(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
     def _check_peers(self) -> None:
         """Declare the job broken if a same-host peer's process has exited (its pidfd is readable)."""
-        if self.failure is not None:
+        gone = self._pids.exited()
+        if not gone or self._matcher.broken is not None:
             return
-        gone = sorted(self._pidfds[fd] for fd, _ in self._watch.poll(0))
-        if not gone:
-            return
-        self.failure = PeerError(f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this "
-                                 "communicator cannot complete collectives any more, and MPI cannot "
-                                 "finalize: this rank calls MPI_Abort when it exits", gone[0])
         log.warning("rank %d: MPI rank(s) %s died; failing every pending operation", self.rank, gone)
         with self._lock:
-            for queue in self._posted.values():
-                for req in queue:
-                    req.error, req.done = self.failure, True
-            self._posted.clear()
+            self._matcher.break_job(PeerError(
+                f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this communicator cannot "
+                "complete collectives any more, and MPI cannot finalize: this rank calls MPI_Abort when it "
+                "exits", gone[0]))
         atexit.register(self._abort)
 
     def _abort(self) -> None:
@@ -297,11 +274,8 @@ class MpiTransport(Transport):
         match = (peer, header.comm_id, header.seq, header.tag)
         eager = header.nbytes <= EAGER_BYTES
         data = memoryview(buf)[wire.HEADER.size:wire.HEADER.size + header.nbytes] if eager else None
-        queue = self._posted.get(match)
-        if queue:
-            req = queue.popleft()
-            if not queue:
-                del self._posted[match]
+        req = self._matcher.take(match)
+        if req is not None:
             self._waiting[slot] -= 1
             if eager:
                 self._deliver(req, header, data)
@@ -314,7 +288,7 @@ class MpiTransport(Transport):
                     req.done = True
         else:
             arrival = _Arrival(header, data, eager)
-            self._unexpected.setdefault(match, deque()).append(arrival)
+            self._matcher.stash(match, arrival)
             if not eager:
                 arrival.data = bytearray(header.nbytes)
                 self._receive(arrival.data, peer, tag, lambda status: self._arrived(arrival))
@@ -355,51 +329,51 @@ class MpiTransport(Transport):
     def _finish(req: Request) -> None:
         req.done = True
 
-    # -- for mpi_native --------------------------------------------------------------------------
-    def serialized(self) -> ContextManager[Any]:
-        """The context any other MPI call of this process must run in: this transport's lock, unless
-        MPI provides MPI_THREAD_MULTIPLE (then none)."""
-        return self._outside
-
-    def mpi_comm_for(self, group: Sequence[int], comm_id: int) -> Any:
-        """The MPI communicator whose rank i is world rank group[i], one per pycoll communicator.
-
-        Made on first use with Create_group, which only the group's ranks call: they all reach it at
-        the same collective call of that communicator, so the collective creation is safe.
-        """
-        key = (comm_id, tuple(group))
-        comm = self._native.get(key)
-        if comm is None:
-            ranks = self._parent.Get_group().Incl(list(group))
-            with self._outside:
-                comm = self._parent.Create_group(ranks, tag=comm_id % self.tag_space)
-            ranks.Free()
-            comm = self._native.setdefault(key, comm)
-        return comm
-
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         """Let sends in flight finish (bounded), cancel receives nobody got, free the communicators."""
         if self._closed:
             return
         self._closed = True
-        for fd in self._pidfds:
-            self._watch.unregister(fd)
-            os.close(fd)
-        self._pidfds.clear()
+        self._pids.close()
         if self._mpi.Is_finalized():
             return
-        linger = 0.0 if self.failure is not None else _LINGER  # sends to a dead rank never finish
+        broken = self._matcher.broken is not None
+        linger = 0.0 if broken else _LINGER  # sends to a dead rank never finish
         self._poll(lambda: not any(is_send for _, _, is_send in self._ops), linger)
         with self._lock:
             for req, _, is_send in self._ops:
                 if not is_send:
                     req.Cancel()
             self._ops = [(req, None, is_send) for req, _, is_send in self._ops]
-        if not self._poll(lambda: not self._ops, linger) and self.failure is None:
+        if not self._poll(lambda: not self._ops, linger) and not broken:
             log.warning("rank %d: mpi transport closed with %d MPI requests unfinished", self.rank,
                         len(self._ops))
         for comm in (*self._native.values(), self._parent, self._comm):
             if comm is not None:
                 comm.Free()
         self._native.clear()
+
+
+class _MpiComms(MpiCommunicators):
+    """One MPI communicator per pycoll communicator, carved out of the transport's parent Dup."""
+
+    def __init__(self, transport: MpiTransport) -> None:
+        self._t = transport
+
+    def serialized(self) -> ContextManager[Any]:
+        return self._t._outside
+
+    def comm_for(self, group: Sequence[int], comm_id: int) -> Any:
+        """Made on first use with Create_group, which only the group's ranks call: they all reach it at
+        the same collective call of that communicator, so the collective creation is safe."""
+        t = self._t
+        key = (comm_id, tuple(group))
+        comm = t._native.get(key)
+        if comm is None:
+            ranks = t._parent.Get_group().Incl(list(group))
+            with t._outside:
+                comm = t._parent.Create_group(ranks, tag=comm_id % t.tag_space)
+            ranks.Free()
+            comm = t._native.setdefault(key, comm)
+        return comm

@@ -5,10 +5,11 @@ A single-host job is pure shm and never opens a socket; a rank alone on its host
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..bootstrap.store import Store
 from .base import MsgKey, Request, Sink, Transport
+from .capabilities import SharedBoard, SinkReceive
 from .shm import ShmTransport
 from .tcp import TcpTransport
 
@@ -19,7 +20,6 @@ class AutoTransport(Transport):
     """Routes each peer to shm (same host) or tcp (other hosts); waits on both when a call mixes them."""
 
     name = "auto"
-    supports_sink = ShmTransport.supports_sink and TcpTransport.supports_sink
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
@@ -32,8 +32,11 @@ class AutoTransport(Transport):
         self._route = [self._shm if self._shm is not None and hosts[r] == hosts[rank] else self._tcp
                        for r in range(size)]
         self.name = "auto(" + "+".join(t.name for t in (self._shm, self._tcp) if t is not None) + ")"
-        self.board_bytes = self._shm.board_bytes if self._shm is not None else 0
-        self.stage_bytes = self._shm.stage_bytes if self._shm is not None else 0
+        parts = [t for t in (self._shm, self._tcp) if t is not None]
+        if all(t.offers(SinkReceive) for t in parts):
+            self.capabilities[SinkReceive] = SinkReceive()
+        if self._shm is not None:  # shm's boards reach exactly the ranks routed to shm
+            self.capabilities[SharedBoard] = self._shm.capabilities[SharedBoard]
 
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -71,12 +74,6 @@ class AutoTransport(Transport):
                 on_shm = []
             if time.monotonic() >= deadline:
                 return False
-
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float, what: object) -> Any:
-        """shm's board, for a communicator whose ranks all share this host."""
-        if self._shm is None or any(self._route[m] is not self._shm for m in members):
-            return None
-        return self._shm.board(comm_id, members, seq, timeout, what)
 
     def close(self) -> None:
         for t in (self._shm, self._tcp):

@@ -44,14 +44,16 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
-from .shm_board import BOARD_BYTES, BOARD_CTRL, HANDSHAKE_TAG, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
+from .liveness import PidWatch
+from .matching import Match, Matcher
+from .capabilities import SharedBoard, SinkReceive
+from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
 RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
@@ -74,7 +76,6 @@ _NAME = re.compile(r"pycoll-[0-9a-f]{16}-[0-9]+\Z")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _FENCE = threading.Lock()
 
-_Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
 
 
 def _fence() -> None:
@@ -156,7 +157,7 @@ class _Peer:
         self.wpos = self.rpos = 0
         self.queue: Deque[_Outbound] = deque()
         self.cur: Optional[_Inbound] = None
-        self.held: Optional[Tuple[_Match, int, int]] = None  # header at the read end, not yet taken
+        self.held: Optional[Tuple[Match, int, int]] = None  # header at the read end, not yet taken
         self.expecting = 0  # posted receives from this rank not yet matched
         self.blocked = False  # sends to this rank wait for room (mirrors out_ctrl[_BLOCKED])
 
@@ -165,9 +166,6 @@ class ShmTransport(Transport):
     """Tagged point-to-point between the ranks of one host through shared-memory rings."""
 
     name = "shm"
-    supports_sink = True
-    board_bytes = SLOT_BYTES
-    stage_bytes = STAGE_BYTES
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:
@@ -189,16 +187,14 @@ class ShmTransport(Transport):
         self._cond = threading.Condition(self._lock)  # followers wait here while another thread drives
         self._driving = False
         self._followers = 0
-        self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[_Inbound]] = {}
+        self._matcher: Matcher[_Inbound] = Matcher(rank)
         self._maps: List[mmap.mmap] = []
         self._views: List[memoryview] = []  # every view into the maps, released before unmapping
         self._path: Optional[str] = None    # my segment's file, until unlinked
         self._bell: Optional[socket.socket] = None
         self._poll = select.poll()
-        self._pidfds: Dict[int, int] = {}   # pidfd -> local peer rank (readable once that process exits)
-        self._boards: Dict[int, Optional[ShmBoard]] = {}  # comm id -> its board (None: it has none)
-        self.failure: Optional[PeerError] = None  # set once a local peer died: the job is broken
+        self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
+        self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self)})
         self._closed = False
 
     # -- connection set-up -------------------------------------------------------------------
@@ -242,20 +238,8 @@ class ShmTransport(Transport):
         for p in self.local:
             at = _ring_at(ring, slot[p]) + _HELLO_AT
             self._verify(token, bytes(mine[at:at + wire.HELLO.size]), p, me, "the ring writer")
-            if p != me:
-                self._watch(p)
-
-    def _watch(self, p: int) -> None:
-        """Poll a pidfd of local peer `p` beside the doorbell, so a sleeper learns at once that it died
-        (without a pidfd, as in another pid namespace, _fail_if_gone's doorbell check remains)."""
-        try:
-            fd = os.pidfd_open(self._peers[p].flags[_PID])
-        except ProcessLookupError:
-            raise PeerError(f"rank {self.rank}: rank {p} died while the shm transport connected", p) from None
-        except (AttributeError, OSError):
-            return
-        self._pidfds[fd] = p
-        self._poll.register(fd, select.POLLIN)
+            if p != me:  # a sleeper learns at once that it died (without a pidfd, _fail_if_gone remains)
+                self._pids.watch(p, self._peers[p].flags[_PID], f"rank {p}")
 
     def _create(self, path: str, ring: int) -> memoryview:
         """My segment, with all its memory allocated now: a full /dev/shm is an error here, not a
@@ -331,6 +315,8 @@ class ShmTransport(Transport):
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
         p = self._peer(peer)
         req = Request(peer, key, _as_bytes(view), dtype, is_recv=False)
+        if not self._matcher.admit(req, "send to"):
+            return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
             if p.queue or not self._put(p, header, req):
@@ -342,44 +328,13 @@ class ShmTransport(Transport):
               sink: Optional[Sink] = None) -> Request:
         p = self._peer(peer)
         req = Request(peer, key, _as_bytes(view), dtype, is_recv=True, sink=sink)
-        match = (peer, key.comm_id, key.seq, key.tag)
         with self._lock:
-            queue = self._unexpected.get(match)
-            if queue:
-                inb = queue.popleft()
-                if not queue:
-                    del self._unexpected[match]
+            inb = self._matcher.post(req)
+            if inb is not None:
                 self._claim(inb, req)
-            else:
-                self._posted.setdefault(match, deque()).append(req)
+            elif not req.done:
                 p.expecting += 1
         return req
-
-    def board(self, comm_id: int, members: Sequence[int], seq: int, timeout: float,
-              what: object) -> Optional[ShmBoard]:
-        """The board of communicator `comm_id` (ranks `members`): set up at its first use, which every
-        member reaches in the same call `seq`; None if a member has no lane left (then all agree)."""
-        if comm_id in self._boards:
-            return self._boards[comm_id]
-        me = self._peers[self.rank]
-        mine = np.array([claim_lane(me.board_ctrl, comm_id)], np.int64)
-        key = MsgKey(comm_id, seq, HANDSHAKE_TAG)
-        others = [m for m in members if m != self.rank]
-        theirs = {m: np.empty(1, np.int64) for m in others}
-        reqs = [self.irecv(memoryview(theirs[m]).cast("B"), m, key) for m in others]
-        reqs += [self.isend(memoryview(mine).cast("B"), m, key) for m in others]
-        self.wait(reqs, timeout, f"{what}: board set-up")
-        lanes = {m: int(v[0]) for m, v in theirs.items()}
-        lanes[self.rank] = int(mine[0])
-        board = None
-        if min(lanes.values()) >= 0:
-            peers = {m: self._peer(m) for m in members}
-            board = ShmBoard(self.rank, comm_id, members, lanes,
-                             {m: p.board_ctrl for m, p in peers.items()},
-                             {m: p.board for m, p in peers.items()},
-                             lambda ranks: self._wake_sleepers([peers[m] for m in ranks]), self.wait)
-        self._boards[comm_id] = board
-        return board
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
@@ -397,8 +352,8 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._lock:
             while not all(r.done for r in reqs):
-                if self.failure is not None:
-                    self._fail(reqs)
+                if self._matcher.broken is not None:
+                    self._matcher.fail_pending(reqs)
                     return True
                 if not self._driving:
                     self._driving = True
@@ -434,8 +389,8 @@ class ShmTransport(Transport):
                 idle = 0
             if all(r.done for r in reqs):
                 return True
-            if self.failure is not None:
-                self._fail(reqs)
+            if self._matcher.broken is not None:
+                self._matcher.fail_pending(reqs)
                 return True
             now = time.monotonic()
             if now >= deadline:
@@ -466,8 +421,8 @@ class ShmTransport(Transport):
         finally:
             self._lock.acquire()
         for fd, _ in events:
-            if fd in self._pidfds:
-                self._exited(fd)
+            if fd in self._pids.fds:
+                self._exited(self._pids.forget(fd))
             else:
                 try:
                     while True:
@@ -477,40 +432,29 @@ class ShmTransport(Transport):
         flags[_ASLEEP] = 0
         return self._sweep()
 
-    def _exited(self, fd: int) -> None:
-        """Local peer behind pidfd `fd` exited: if it never closed its transport it died, which breaks
-        every collective of this job (self.failure); a peer that closed fails only what waits on it
-        (_fail_if_gone)."""
-        peer = self._pidfds.pop(fd)
-        self._poll.unregister(fd)
-        os.close(fd)
-        if not self._peers[peer].flags[_CLOSED] and self.failure is None:
-            self.failure = PeerError(f"rank {self.rank}: rank {peer} died (its process exited without closing "
-                                     "its shm transport); this communicator cannot complete collectives any "
-                                     "more", peer)
+    def _exited(self, peer: int) -> None:
+        """Local peer `peer`'s process exited: if it never closed its transport it died, which breaks
+        every collective of this job; a peer that closed fails only what waits on it (_fail_if_gone)."""
+        if not self._peers[peer].flags[_CLOSED]:
+            self._matcher.break_job(PeerError(
+                f"rank {self.rank}: rank {peer} died (its process exited without closing its shm transport); "
+                "this communicator cannot complete collectives any more", peer))
 
     def _learn_failure(self, gone: int) -> None:
         """Local peer `gone` has no doorbell any more: before blaming it, look whether a death is the
         root cause: one of our pidfds already fired, or `gone` closed because a rank had died."""
-        for fd in [fd for fd in self._pidfds if select.select([fd], [], [], 0)[0]]:
-            self._exited(fd)
+        for peer in self._pids.exited():
+            self._exited(peer)
         closed = self._peers[gone].flags[_CLOSED]
-        if self.failure is None and closed >= _CLOSED_AFTER:
+        if closed >= _CLOSED_AFTER:
             dead = closed - _CLOSED_AFTER
-            self.failure = PeerError(f"rank {self.rank}: rank {dead} died (rank {gone} saw it and closed its "
-                                     "shm transport); this communicator cannot complete collectives any more",
-                                     dead)
-
-    def _fail(self, reqs: Sequence[Request]) -> None:
-        """Fail every request of `reqs` still pending with the job's failure."""
-        for r in reqs:
-            if not r.done:
-                r.error, r.done = self.failure, True
+            self._matcher.break_job(PeerError(
+                f"rank {self.rank}: rank {dead} died (rank {gone} saw it and closed its shm transport); this "
+                "communicator cannot complete collectives any more", dead))
 
     def _fail_if_gone(self, reqs: Sequence[Request]) -> bool:
         """After a quiet slice: fail the pending requests whose peer no longer has a doorbell (it died
         or closed), instead of letting them wait for the deadline; True if any was failed."""
-        failed = False
         for peer in {r.peer for r in reqs if not r.done}:
             try:
                 self._bell.sendto(b"", self._peers[peer].bell)
@@ -518,15 +462,8 @@ class ShmTransport(Transport):
                 continue
             except ConnectionRefusedError:
                 self._learn_failure(peer)
-                if self.failure is not None:
-                    self._fail(reqs)
-                    return True
-                for r in reqs:
-                    if r.peer == peer and not r.done:
-                        r.error = PeerError(f"rank {self.rank}: rank {peer} died or closed its shm "
-                                            f"transport while a {r.describe()} was pending", peer)
-                        r.done = failed = True
-        return failed
+                self._matcher.peer_gone(peer, "it died or closed its shm transport")
+        return self._matcher.fail_pending(reqs)
 
     def _poke(self, p: _Peer) -> None:
         try:
@@ -691,25 +628,23 @@ class ShmTransport(Transport):
         ring = p.in_size
         off = rpos & (ring - 1)
         match, nbytes, dtype = p.held or self._header(p, off)  # read only below a head loaded first (_pull)
-        queue = self._posted.get(match)
-        if not queue and not (drain or p.expecting):
+        first = self._matcher.waiting(match)
+        if first is None and not (drain or p.expecting):
             p.held = match, nbytes, dtype
             return None
         skip, body = _layout(off, nbytes, ring)
         at = (off + _SLOT + skip) % ring
         whole = at + nbytes <= ring  # the payload lies in one piece in the ring
-        if queue and queue[0].sink is not None and whole and head - rpos < _SLOT + skip + nbytes:
+        if first is not None and first.sink is not None and whole and head - rpos < _SLOT + skip + nbytes:
             p.held = match, nbytes, dtype  # for the sink: wait until all of it is there
             return None
         p.held = None
         inb = _Inbound(nbytes, dtype, skip, body)
-        if not queue:
+        if first is None:
             inb.dest = memoryview(bytearray(nbytes))
-            self._unexpected.setdefault(match, deque()).append(inb)
+            self._matcher.stash(match, inb)
             return inb
-        req = queue.popleft()
-        if not queue:
-            del self._posted[match]
+        req = self._matcher.take(match)
         p.expecting -= 1
         req.check_incoming(self.rank, nbytes, dtype)
         if req.error is not None:  # rejected: the payload is read and dropped
@@ -724,7 +659,7 @@ class ShmTransport(Transport):
             inb.dest, inb.req = memoryview(bytearray(nbytes)), req
         return inb
 
-    def _header(self, p: _Peer, off: int) -> Tuple[_Match, int, int]:
+    def _header(self, p: _Peer, off: int) -> Tuple[Match, int, int]:
         """(match key, nbytes, dtype) of the header at `off` in `p`'s ring: wire.unpack_header's checks,
         unpacked in place; ProtocolError for anything else (the stream cannot be trusted after it)."""
         magic, version, kind, dtype, comm_id, seq, tag, nbytes = wire.HEADER.unpack_from(p.in_data, off)
@@ -765,11 +700,10 @@ class ShmTransport(Transport):
             self.wait_for(queued, _LINGER)
         with self._lock:
             if self._peers[self.rank] is not None:  # peers now tell my exit from a death, and learn its cause
-                dead = self.failure.peer if self.failure is not None else None
+                broken = self._matcher.broken
+                dead = broken.peer if broken is not None else None
                 self._peers[self.rank].flags[_CLOSED] = 1 if dead is None else _CLOSED_AFTER + dead
-            for fd in self._pidfds:
-                os.close(fd)
-            self._pidfds.clear()
+            self._pids.close()
             self._active.clear()
             self._peers = [None] * self.size
             for view in reversed(self._views):
@@ -784,3 +718,26 @@ class ShmTransport(Transport):
             if self._path is not None:  # connect() failed before every peer mapped it
                 os.unlink(self._path)
                 self._path = None
+
+
+class _Boards(SharedBoard):
+    """The boards of an shm transport's segments: a lane in each member's own segment."""
+
+    slot_bytes = SLOT_BYTES
+    stage_bytes = STAGE_BYTES
+
+    def __init__(self, transport: ShmTransport) -> None:
+        self._t = transport
+
+    def reaches(self, members: Sequence[int]) -> bool:
+        return all(self._t._peers[m] is not None for m in members)
+
+    def claim_lane(self, comm_id: int) -> int:
+        return claim_lane(self._t._peer(self._t.rank).board_ctrl, comm_id)
+
+    def open(self, comm_id: int, members: Sequence[int], lanes: Dict[int, int]) -> ShmBoard:
+        t = self._t
+        peers = {m: t._peer(m) for m in members}
+        return ShmBoard(t.rank, comm_id, members, lanes, {m: p.board_ctrl for m, p in peers.items()},
+                        {m: p.board for m, p in peers.items()},
+                        lambda ranks: t._wake_sleepers([peers[m] for m in ranks]), t.wait)

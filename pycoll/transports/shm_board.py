@@ -1,7 +1,8 @@
 """Shared-memory boards: small collectives with no messages at all (Open MPI's coll/sm, NCCL's one-shot).
 
 Every rank's shm segment carries LANES lanes. A communicator whose ranks all share this host takes
-one lane on each of its ranks, agreed once over the transport's own messages. A lane holds a counter
+one lane on each of its ranks: each claims one of its own (claim_lane), and the communicator layer
+exchanges the lane numbers when it creates the communicator (comm.py). A lane holds a counter
 and DEPTH slots of SLOT_BYTES: at its b-th board call a rank copies its input into slot b % DEPTH and
 publishes b; once every member has published b, each reads every member's slot b % DEPTH. A rank
 publishes b + 1 only after it has finished reading call b, so a slot is overwritten (at call
@@ -9,8 +10,9 @@ b + DEPTH) only after every member is done with it, even by an algorithm that re
 after call b + 1 (two-shot: post, reduce, signal, copy out): no other flag is needed. The first
 STAGE_LANES lanes also have DEPTH stage slots of STAGE_BYTES, which a call may post into instead (the
 same counter): large allreduces move through them block by block. Each post also carries its byte
-count and a signature (dtype, and the algorithm's collective, op and root): a rank whose peers
-posted something else raises ProtocolError, as a mismatched message would over any transport.
+count and an opaque 64-bit signature, which the layers above fill with what the post is for (the
+dtype, and the algorithm's collective, op and root) and the board only compares: a rank whose
+peers posted something else raises ProtocolError, as a mismatched message would over any transport.
 Lanes are never handed back (a peer may still read the last call's slot), so a process that creates
 more than LANES single-host communicators runs the later ones without a board (and more than
 STAGE_LANES without a stage).
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from .base import MsgKey, Request
+from .capabilities import Board
 
 LANES = 16
 DEPTH = 3
@@ -33,7 +36,7 @@ STAGE_BYTES = 512 << 10
 BOARD_CTRL = 4096
 STAGE_AT = BOARD_CTRL + LANES * DEPTH * SLOT_BYTES
 BOARD_BYTES = STAGE_AT + STAGE_LANES * DEPTH * STAGE_BYTES
-HANDSHAKE_TAG = -2  # the lane agreement's messages (algorithms use tags >= 0)
+POST_TAG = -2       # the message tag that board waits are described with (algorithms use tags >= 0)
 SPIN_YIELDS = 256   # yields of the CPU spent looking for late posts before the transport's blocking wait
 # int64 indices of a lane's control block (two 64-byte lines per lane)
 _LINE = 16
@@ -84,7 +87,7 @@ class _Posted(Request):
         return f"board post from rank {self.peer}"
 
 
-class ShmBoard:
+class ShmBoard(Board):
     """One communicator's lane on each of its ranks (global rank numbers), and its call counter."""
 
     slot_bytes = SLOT_BYTES
@@ -135,7 +138,7 @@ class ShmBoard:
             while late and ctrls[late[-1]][at[late[-1]]] >= b:
                 late.pop()
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
-            key = MsgKey(self.comm_id, b, HANDSHAKE_TAG)
+            key = MsgKey(self.comm_id, b, POST_TAG)
             self._wait([_Posted(p, key, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
         nbytes = data.nbytes  # every counter was seen at b before these loads (ARM/POWER: acquire loads)
         for p in self._others:

@@ -14,8 +14,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zmq
@@ -25,6 +24,8 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
+from .capabilities import SinkReceive
+from .matching import Matcher, fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
@@ -41,7 +42,6 @@ _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic 
 _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
-_Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
 # zmq's flags as plain ints: the hot path pays for every IntFlag | and & (an enum object each)
 POLLIN, POLLOUT, POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
 SNDMORE, NOBLOCK, RCVMORE, EVENTS = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.RCVMORE), int(zmq.EVENTS)
@@ -66,12 +66,12 @@ class TcpTransport(Transport):
     """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
 
     name = "tcp"
-    supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, peers: Optional[Sequence[int]] = None) -> None:
         """`peers`: the ranks to connect to (default all; AutoTransport passes those on other hosts)."""
         super().__init__(rank, size)
+        self.capabilities[SinkReceive] = SinkReceive()
         self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
         self._ctx = zmq.Context(io_threads=IO_THREADS)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -94,10 +94,9 @@ class TcpTransport(Transport):
         self._dealers: List[Optional[zmq.Socket]] = [None] * size
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._io = threading.Lock()            # held by the one thread reading the router
-        self._match = threading.Lock()         # guards _posted and _unexpected
+        self._match = threading.Lock()         # guards _matcher
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
-        self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[Tuple[wire.Header, Union[zmq.Frame, _Parked]]]] = {}
+        self._matcher: Matcher[Tuple[wire.Header, Union[zmq.Frame, _Parked]]] = Matcher(rank)
         self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER, LOCAL_SNDBUF)
         self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
@@ -113,7 +112,6 @@ class TcpTransport(Transport):
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
         self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
         self._said_bye: set = set()                       # peers that closed normally
-        self.failure: Optional[PeerError] = None          # set once a peer died: the job is broken
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -152,7 +150,8 @@ class TcpTransport(Transport):
     # -- data path -----------------------------------------------------------------------------
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
         req = Request(peer, key, view, dtype, is_recv=False)
-        if self._failed(req, "send to"):
+        self._refuse_broken_stream(peer)
+        if not self._matcher.admit(req, "send to"):
             return req
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
@@ -185,18 +184,12 @@ class TcpTransport(Transport):
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
         req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
-        match = (peer, key.comm_id, key.seq, key.tag)
         with self._match:
-            queue = self._unexpected.get(match)
-            if queue:
-                header, frame = queue.popleft()
-                if not queue:
-                    del self._unexpected[match]
-            else:
-                if self._failed(req, "receive from"):  # what it sent before dying still counts
-                    return req
-                self._posted.setdefault(match, deque()).append(req)
-                return req
+            self._refuse_broken_stream(peer)
+            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+        if arrival is None:
+            return req
+        header, frame = arrival
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if isinstance(frame, _Parked):
             with self._match:
@@ -208,7 +201,7 @@ class TcpTransport(Transport):
                     frame.req = req
                     return req
             if frame.error is not None:
-                self._finish(req, frame.error)
+                fail(req, frame.error)
                 return req
         self._check_length(req, len(frame.buffer))
         if req.error is None:
@@ -233,7 +226,7 @@ class TcpTransport(Transport):
                     pending[0].handle.wait(min(step, _SEND_SLICE))
                 except zmq.NotDone:
                     self._progress(pending, 0.0)  # notice a peer that died with our data unsent
-                    self._fail_sends_to_dead(pending)
+                    self._matcher.fail_pending(pending)
 
     @staticmethod
     def _send_finished(req: Request) -> bool:
@@ -333,13 +326,9 @@ class TcpTransport(Transport):
     def _deliver(self, peer: int, header: wire.Header) -> None:
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            queue = self._posted.get(match)
-            if queue:
-                req = queue.popleft()
-                if not queue:
-                    del self._posted[match]
-            else:
-                self._unexpected.setdefault(match, deque()).append((header, self._router.recv(copy=False)))
+            req = self._matcher.take(match)
+            if req is None:
+                self._matcher.stash(match, (header, self._router.recv(copy=False)))
                 return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is not None:
@@ -361,15 +350,12 @@ class TcpTransport(Transport):
             return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            queue = self._posted.get(match)
-            req = queue.popleft() if queue else None
-            if queue is not None and not queue:
-                del self._posted[match]
+            req = self._matcher.take(match)
             incoming = Incoming(header.nbytes, lambda error: None)
             if req is None:
                 parked = incoming.owner = _Parked(incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
-                self._unexpected.setdefault(match, deque()).append((header, parked))
+                self._matcher.stash(match, (header, parked))
             self._bulk.expect(peer, incoming)
         if req is not None:
             req.check_incoming(self.rank, header.nbytes, header.dtype)
@@ -378,7 +364,7 @@ class TcpTransport(Transport):
     def _aim(self, req: Request, incoming: Incoming) -> None:
         """Claim a bulk payload for `req`: read into its buffer, or through its sink piece by piece
         (reducing while in cache); a payload that does not fit it is read and dropped."""
-        incoming.on_done = lambda error: self._finish(req, error)
+        incoming.on_done = lambda error: fail(req, error)
         if req.error is None and req.sink is None:
             incoming.target = req.view
             return
@@ -402,12 +388,6 @@ class TcpTransport(Transport):
                     incoming.owner.buffer = incoming.target
         return due
 
-    @staticmethod
-    def _finish(req: Request, error: Optional[BaseException]) -> None:
-        if error is not None and req.error is None:
-            req.error = error
-        req.done = True
-
     def _unparked(self, parked: _Parked, error: Optional[BaseException]) -> None:
         """A parked payload is complete; hand it to the receive that claimed it meanwhile, if any."""
         with self._match:
@@ -417,16 +397,13 @@ class TcpTransport(Transport):
             return
         if error is None and req.error is None:
             req.deliver(parked.buffer)
-        self._finish(req, error)
+        fail(req, error)
 
-    def _failed(self, req: Request, what: str) -> bool:
-        """Fail a new request at once if its peer (or the job) is known dead; its wait raises, naming the call."""
-        peer, why = req.peer, self.dead.get(req.peer) or self._bulk.closed_by.get(req.peer)
-        error = self.failure or (PeerError(f"rank {self.rank}: cannot {what} rank {peer}: {why}", peer)
-                                 if why else None)
-        if error is not None:
-            self._finish(req, error)
-        return error is not None
+    def _refuse_broken_stream(self, peer: int) -> None:
+        """Nothing new goes to or comes from a peer whose bulk stream broke."""
+        why = self._bulk.closed_by.get(peer)
+        if why is not None:
+            self._matcher.refuse(peer, why)
 
     def _peer_lost(self, monitor: zmq.Socket) -> None:
         """A peer's connection dropped: keep what it sent, fail every receive still waiting on it."""
@@ -456,27 +433,15 @@ class TcpTransport(Transport):
         self.dead[peer] = ("its connection dropped without a goodbye: the process died" if died else
                            "it closed its communicator")
         log.warning("rank %d: lost the tcp connection to rank %d (%s)", self.rank, peer, self.dead[peer])
-        if died and self.failure is None:
-            self.failure = PeerError(f"rank {self.rank}: rank {peer} died (its tcp connection dropped "
-                                     "without a goodbye); this communicator cannot complete collectives "
-                                     "any more: recreate it", peer)
         with self._match:
-            for match in [m for m in self._posted if m[0] == peer or died]:
-                for req in self._posted.pop(match):
-                    req.error = self.failure if died else PeerError(
-                        f"rank {self.rank}: rank {peer} closed its communicator before sending (comm "
-                        f"{match[1]:#x}, call {match[2]}, tag {match[3]})", peer)
-                    req.done = True
+            if died:
+                self._matcher.break_job(PeerError(
+                    f"rank {self.rank}: rank {peer} died (its tcp connection dropped without a goodbye); this "
+                    "communicator cannot complete collectives any more: recreate it", peer))
+            else:
+                self._matcher.peer_gone(peer, self.dead[peer])
         if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
             self._bulk.fail(peer, self.dead[peer])
-
-    def _fail_sends_to_dead(self, pending: List[Request]) -> None:
-        for req in pending:
-            if (req.peer in self.dead or self.failure is not None) and not req.done:
-                req.error = self.failure or PeerError(
-                    f"rank {self.rank}: send to rank {req.peer} could not finish: {self.dead[req.peer]}",
-                    req.peer)
-                req.done = True
 
     def _check_length(self, req: Request, got: int) -> None:
         if got != req.nbytes and req.error is None:

@@ -36,6 +36,8 @@ from ..bootstrap.store import Store
 from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Sink, Transport
+from .capabilities import SinkReceive
+from .matching import Matcher, fail, fail_all
 from .verbs_device import (LandingPool, MrCache, Port, Registration, SlotPool, load_pyverbs, open_channel,
                            open_port)
 
@@ -115,7 +117,6 @@ class _Transfer:
         return self.land.mr if self.land is not None else self.reg.mr
 
 
-_Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
 _Arrival = Tuple[wire.Header, Optional[bytes], int]  # header, eager payload or None (RTS), msg id
 
 
@@ -123,11 +124,11 @@ class VerbsTransport(Transport):
     """Tagged point-to-point over RDMA (InfiniBand or RoCE, soft-RoCE included) with pyverbs."""
 
     name = "verbs"
-    supports_sink = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
         super().__init__(rank, size)
+        self.capabilities[SinkReceive] = SinkReceive()
         self._pv = pv = load_pyverbs()
         if SLOT < PREFIX + 64 or CREDITS < 4 or CHUNK < 4096:
             raise EnvError(f"PYCOLL_VERBS_SLOT must be >= {PREFIX + 64}, PYCOLL_VERBS_CREDITS >= 4 and "
@@ -155,14 +156,12 @@ class VerbsTransport(Transport):
         self._last_completion = 0.0        # when the CQ last had something (probes wait for quiet)
         self._wrs: Dict[int, Tuple[_Peer, int, Optional[Callable[[], None]]]] = {}  # on success
         self._next_wr = 0
-        self._posted: Dict[_Match, Deque[Request]] = {}
-        self._unexpected: Dict[_Match, Deque[_Arrival]] = {}
+        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._incoming: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> receive
         self._outgoing: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> send
         self._token = b""
         self._closing = self._closed = False
         self.rejected = 0
-        self.failure: Optional[PeerError] = None
         for peer in self._peers:
             if peer.rank != rank:
                 self._create_qp(peer)
@@ -210,8 +209,8 @@ class VerbsTransport(Transport):
                 raise TimeoutError(f"rank {self.rank}: verbs transport heard no authenticated hello from "
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             self._wait_once(min(left, PROBE_AFTER))
-            if self.failure is not None:
-                raise self.failure
+            if self._matcher.broken is not None:
+                raise self._matcher.broken
 
     def _connect_qp(self, peer: _Peer, raw: bytes) -> None:
         """Move the queue pair to `peer` to ready-to-send, from the connection data it published."""
@@ -249,7 +248,8 @@ class VerbsTransport(Transport):
         req = Request(peer, key, view, dtype, is_recv=False)
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
-            self._check_alive(peer, "send to")
+            if not self._matcher.admit(req, "send to"):
+                return req
             if peer == self.rank:
                 self._arrive(self._peers[peer], wire.unpack_header(header), view, 0)
                 req.done = True
@@ -271,18 +271,12 @@ class VerbsTransport(Transport):
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
         req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
-        match = (peer, key.comm_id, key.seq, key.tag)
         with self._lock:
-            queue = self._unexpected.get(match)
-            if queue:
-                header, payload, msg_id = queue.popleft()
-                if not queue:
-                    del self._unexpected[match]
+            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+            if arrival is not None:
+                header, payload, msg_id = arrival
                 self._start_receive(self._peers[peer], req, header,
                                     None if payload is None else memoryview(payload), msg_id)
-            else:
-                self._check_alive(peer, "receive from")  # what it sent before dying still counts
-                self._posted.setdefault(match, deque()).append(req)
         return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
@@ -417,14 +411,10 @@ class VerbsTransport(Transport):
     def _arrive(self, peer: _Peer, header: wire.Header, payload: Optional[memoryview], msg_id: int) -> None:
         """A message (eager payload, or an RTS when payload is None) matched or kept for later."""
         match = (peer.rank, header.comm_id, header.seq, header.tag)
-        queue = self._posted.get(match)
-        if not queue:
-            stash = None if payload is None else bytes(payload)
-            self._unexpected.setdefault(match, deque()).append((header, stash, msg_id))
+        req = self._matcher.take(match)
+        if req is None:
+            self._matcher.stash(match, (header, None if payload is None else bytes(payload), msg_id))
             return
-        req = queue.popleft()
-        if not queue:
-            del self._posted[match]
         self._start_receive(peer, req, header, payload, msg_id)
 
     def _start_receive(self, peer: _Peer, req: Request, header: wire.Header,
@@ -574,13 +564,6 @@ class VerbsTransport(Transport):
                 self._post_send(peer, wr, credits=0)
 
     # -- failures ------------------------------------------------------------------------------
-    def _check_alive(self, peer: int, what: str) -> None:
-        if self.failure is not None:
-            raise self.failure
-        p = self._peers[peer]
-        if p.dead or p.bye:
-            raise PeerError(f"rank {self.rank}: cannot {what} rank {peer}: it closed its communicator", peer)
-
     def _peer_failed(self, peer: _Peer, status: Any) -> None:
         """The queue pair to `peer` broke. After its bye that is a normal close; otherwise the peer
         died and, as with tcp, the whole communicator fails: every wait ends with a PeerError."""
@@ -588,45 +571,41 @@ class VerbsTransport(Transport):
             return
         peer.dead = True
         if peer.bye or self._closing:
-            self._fail_requests(self._closed_error(peer), {peer.rank})
+            self._peer_closed(peer)
             return
-        if self.failure is None:
-            why = status if isinstance(status, str) else \
-                f"work completion status {status}, {_WC_STATUS.get(status, 'unknown')}"
-            self.failure = PeerError(
-                f"rank {self.rank}: rank {peer.rank} died or became unreachable (its queue pair on "
-                f"{self.port.device} failed: {why}); this communicator cannot complete collectives any "
-                "more: recreate it", peer.rank)
-            log.warning("%s", self.failure)
-        self._fail_requests(self.failure, None)
+        why = status if isinstance(status, str) else \
+            f"work completion status {status}, {_WC_STATUS.get(status, 'unknown')}"
+        if self._matcher.broken is None:
+            log.warning("rank %d: rank %d died or became unreachable: %s", self.rank, peer.rank, why)
+        self._matcher.break_job(PeerError(
+            f"rank {self.rank}: rank {peer.rank} died or became unreachable (its queue pair on "
+            f"{self.port.device} failed: {why}); this communicator cannot complete collectives any "
+            "more: recreate it", peer.rank))
+        self._fail_transfers(self._matcher.broken, None)
 
     def _on_bye(self, peer: _Peer) -> None:
         """The peer closed after its last message: nothing still expected from it will come."""
         peer.bye = True
-        self._fail_requests(self._closed_error(peer), {peer.rank})
+        self._peer_closed(peer)
 
-    def _closed_error(self, peer: _Peer) -> PeerError:
-        return PeerError(f"rank {self.rank}: rank {peer.rank} closed its communicator before this "
-                         "transfer finished", peer.rank)
+    def _peer_closed(self, peer: _Peer) -> None:
+        self._matcher.peer_gone(peer.rank, "it closed its communicator")
+        self._fail_transfers(PeerError(f"rank {self.rank}: rank {peer.rank} closed its communicator before "
+                                       "this transfer finished", peer.rank), {peer.rank})
 
-    def _fail_requests(self, error: PeerError, ranks: Optional[set]) -> None:
-        """End with `error` every receive posted for, transfer with, and send queued to a rank in
-        `ranks` (every rank when None)."""
+    def _fail_transfers(self, error: PeerError, ranks: Optional[set]) -> None:
+        """End with `error` every transfer with, and send queued to, a rank in `ranks` (every rank
+        when None); the matcher fails the posted receives."""
         def hit(rank: int) -> bool:
             return ranks is None or rank in ranks
-        for match in [m for m in self._posted if hit(m[0])]:
-            for req in self._posted.pop(match):
-                req.error, req.done = error, True
         for table in (self._incoming, self._outgoing):
             for key in [k for k in table if hit(k[0])]:
                 xfer = table.pop(key)
                 self._release(xfer)
-                xfer.req.error, xfer.req.done = error, True
+                fail(xfer.req, error)
         for peer in self._peers:
             if hit(peer.rank):
-                for _, _, _, req in peer.backlog:
-                    if req is not None and not req.done:
-                        req.error, req.done = error, True
+                fail_all([req for _, _, _, req in peer.backlog if req is not None], error)
                 peer.backlog.clear()
 
     def _reject(self, peer: _Peer, reason: str) -> None:

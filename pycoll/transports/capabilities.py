@@ -1,0 +1,70 @@
+"""What a transport offers beyond tagged point-to-point, declared as typed objects.
+
+Layers above ask `transport.offers(Kind)` and get an instance of Kind or None, instead of probing
+for attributes. A capability speaks in ranks, bytes and lanes; what a board post means (which
+collective, op or root) is the algorithm layer's business and travels as an opaque signature.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ContextManager, Dict, List, Sequence
+
+import numpy as np
+
+
+class Capability:
+    """Base of everything a transport can offer; `Transport.offers(kind)` looks one up by class."""
+
+
+class SinkReceive(Capability):
+    """irecv(..., sink=f) hands a payload to f(piece, offset) straight from the transport's own
+    buffer (a ring, a stream buffer, a landing zone), so a reduction can read it without a copy."""
+
+
+class Board(ABC):
+    """One communicator's slots in memory its ranks share: each call, every member posts a flat array
+    and reads everyone's (see transports/shm_board.py for the protocol)."""
+
+    slot_bytes: int   # what a small slot holds
+    stage_bytes: int  # what a stage slot holds (0: no stage)
+
+    @abstractmethod
+    def exchange(self, data: np.ndarray, sig: int, order: Sequence[int], timeout: float, what: object,
+                 stage: bool = False) -> List[np.ndarray]:
+        """Post `data` with the opaque 64-bit signature `sig`, wait for every member's post of this
+        call, and return the members' arrays in `order`; ProtocolError if a member posted another
+        byte count or signature."""
+
+
+class SharedBoard(Capability, ABC):
+    """Shared-memory boards for communicators whose ranks all share this host's memory. Opening one
+    takes two steps, so that the agreement between ranks stays above the transport: each member
+    claims a lane locally, the members exchange their lane numbers, and each opens the board."""
+
+    slot_bytes: int
+    stage_bytes: int
+
+    @abstractmethod
+    def reaches(self, members: Sequence[int]) -> bool:
+        """True if every one of `members` (global ranks) shares a board with this rank."""
+
+    @abstractmethod
+    def claim_lane(self, comm_id: int) -> int:
+        """A lane of this rank's own board for communicator `comm_id`; -1 when none is left."""
+
+    @abstractmethod
+    def open(self, comm_id: int, members: Sequence[int], lanes: Dict[int, int]) -> Board:
+        """The board of communicator `comm_id`, given every member's claimed lane (all >= 0)."""
+
+
+class MpiCommunicators(Capability, ABC):
+    """MPI communicators mirroring pycoll's, for running MPI's own collectives (algorithm mpi_native)."""
+
+    @abstractmethod
+    def comm_for(self, group: Sequence[int], comm_id: int) -> Any:
+        """The MPI communicator whose rank i is world rank group[i] (made on first use by the group)."""
+
+    @abstractmethod
+    def serialized(self) -> ContextManager[Any]:
+        """The context any other MPI call of this process must run in (the transport's lock, unless
+        MPI provides MPI_THREAD_MULTIPLE)."""
