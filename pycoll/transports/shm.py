@@ -17,6 +17,19 @@ token HMACs; each segment is unlinked as soon as every peer has mapped it, so no
 stages where they run large allreduces two-shot.
 A sleeper also polls a pidfd per local peer: a peer that exits
 without marking its segment closed died, and every pending request then fails naming it (as tcp).
+
+Memory ordering: the rings and the board rely on x86-64's total store order (TSO), with no fence of
+their own. A writer copies the payload, then stores the head counter (an aligned int64, one store);
+a reader loads the head, then reads the payload, then stores the tail; a board post writes its slot,
+byte count and signature, then its call counter. TSO keeps stores in order with stores and loads
+with loads (and loads before later stores), so whoever sees a counter sees the bytes it publishes.
+The only fence is _fence(), for the store->load order of the doorbell handshake (the one reordering
+x86 does). On ARM or POWER a reader could see a new head or counter before the bytes behind it
+(stale or garbage payload, a wrong signature), and a writer could reuse space the reader is still
+reading; a port needs release stores and acquire loads of the counters (a tiny C helper, or the
+`atomics` package; a lock round trip is no full fence there either), or shm refused there. Nothing
+checks the architecture today: shm and the board run wherever they are asked to (see
+docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -67,7 +80,8 @@ _FENCE = threading.Lock()
 
 def _fence() -> None:
     """Full memory barrier (the lock's atomic read-modify-write): orders a counter store before the
-    doorbell-flag load after it, on both sides, so a sleeper never misses a wake-up."""
+    doorbell-flag load after it, on both sides, so a sleeper never misses a wake-up. (A locked RMW is a
+    full fence on x86; on ARM/POWER a lock's acquire and release are not: see the module docstring.)"""
     _FENCE.acquire()
     _FENCE.release()
 
@@ -485,6 +499,8 @@ class ShmTransport(Transport):
         if nbytes:
             at = (off + _SLOT + skip) % ring
             data[at:at + nbytes] = req.view
+        # publish: header and payload stores above become visible before this head store (x86-TSO;
+        # ARM/POWER would need a release store here)
         p.out_ctrl[_HEAD] = p.wpos = end
         self._wake(p, _HEAD)
         req.done = True
@@ -514,7 +530,7 @@ class ShmTransport(Transport):
         queue, data, ctrl, ring = p.queue, p.out_data, p.out_ctrl, p.out_size
         mask = ring - 1
         wpos = start = p.wpos
-        free = ring - (wpos - ctrl[_TAIL])
+        free = ring - (wpos - ctrl[_TAIL])  # the reader loaded that space before freeing it (its tail store)
         while queue:
             ob = queue[0]
             if ob.header is not None:
@@ -544,7 +560,7 @@ class ShmTransport(Transport):
                 ob.req.done = True
             elif not n:
                 break
-            ctrl[_HEAD] = wpos
+            ctrl[_HEAD] = wpos  # after the piece's bytes: store->store order (x86-TSO; elsewhere a release store)
         if wpos != start:
             ctrl[_HEAD] = wpos  # also when a header went in but no room for the rest yet
             self._wake(p, _HEAD)
@@ -556,6 +572,8 @@ class ShmTransport(Transport):
         space; True if anything was read."""
         data, ctrl, ring = p.in_data, p.in_ctrl, p.in_size
         mask = ring - 1
+        # the head is loaded before the header and payload bytes it covers (load->load order, x86-TSO;
+        # ARM/POWER would need an acquire load, or they could read bytes older than the head)
         head, rpos = ctrl[_HEAD], p.rpos
         start = rpos
         while rpos != head:
@@ -585,7 +603,7 @@ class ShmTransport(Transport):
                     if req.sink is not None:
                         req.deliver(cur.dest)
                     req.done = True
-            ctrl[_TAIL] = rpos
+            ctrl[_TAIL] = rpos  # after the payload loads above (x86 keeps loads before later stores)
             self._wake(p, _TAIL)
         p.rpos = rpos
         return rpos != start
@@ -595,7 +613,7 @@ class ShmTransport(Transport):
         receive, else buffer it as unexpected, or (None) leave it in the ring for now."""
         ring = p.in_size
         off = rpos & (ring - 1)
-        match, nbytes, dtype = p.held or self._header(p, off)
+        match, nbytes, dtype = p.held or self._header(p, off)  # read only below a head loaded first (_pull)
         first = self.matcher.waiting(match)
         if first is None and not (drain or p.expecting):
             p.held = match, nbytes, dtype
