@@ -137,7 +137,7 @@ class BulkLinks:
             if not chunk:
                 raise ValueError("connection closed during the hello")
             data += chunk
-        src, _ = wire.check_hello(token, self.rank, bytes(data))  # fresh connection: no replay to fear
+        src = wire.check_hello(token, self.rank, bytes(data))  # fresh connection: no replay to fear
         if peer is not None and src != peer:
             raise PeerError(f"rank {self.rank}: bulk stream to rank {peer} answered as rank {src}", peer)
         if not 0 <= src < self.size or src == self.rank:

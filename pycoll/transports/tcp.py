@@ -434,16 +434,10 @@ class TcpTransport(Transport):
 
     def _accept_hello(self, ident: bytes, payload: bytes) -> None:
         try:
-            src, nonce = wire.check_hello(self._token, self.rank, payload)
-            if nonce in self._seen_nonces:
-                raise ValueError("replayed hello")
-            if not 0 <= src < self.size:
-                raise ValueError(f"hello from rank {src} outside 0..{self.size - 1}")
+            self._ident_rank[ident] = wire.check_hello(self._token, self.rank, payload, size=self.size,
+                                                       seen=self._seen_nonces)
         except ValueError as e:
             self._reject(ident, str(e))
-            return
-        self._seen_nonces.add(nonce)
-        self._ident_rank[ident] = src
 
     def _skip_rest(self) -> None:
         while self._router.getsockopt(RCVMORE):

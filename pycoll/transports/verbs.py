@@ -279,11 +279,9 @@ class VerbsTransport(Transport):
             generation = self._generation
             with self._lock:
                 self._poll()
-            if all(r.done for r in reqs):
-                return True
             now = time.monotonic()
-            if now >= deadline:
-                return False
+            if now >= deadline or all(r.done for r in reqs):
+                return all(r.done for r in reqs)
             if now - max(self._last_completion, probed) >= PROBE_AFTER:
                 self._probe_peers({r.peer for r in reqs if not r.done})
                 probed = now
@@ -393,13 +391,10 @@ class VerbsTransport(Transport):
         try:
             if op != OP_HELLO:
                 raise ValueError(f"operation {op} before the hello")
-            src, _ = wire.check_hello(self._token, self.rank, bytes(payload))
-            if src != peer.rank:
-                raise ValueError(f"hello from rank {src} on the queue pair of rank {peer.rank}")
+            wire.check_hello(self._token, self.rank, bytes(payload), src=peer.rank)
+            peer.hello = True
         except ValueError as e:
             self._reject(peer, str(e))
-            return
-        peer.hello = True
 
     def _arrive(self, peer: _Peer, header: wire.Header, payload: Optional[memoryview], msg_id: int) -> None:
         """A message (eager payload, or an RTS when payload is None) matched or kept for later."""
