@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -23,9 +23,9 @@ from ..bootstrap.netif import select_address
 from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import MsgKey, Request, Transport
 from .capabilities import SinkReceive
-from .matching import Matcher, fail
+from .matching import fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
@@ -92,10 +92,10 @@ class TcpTransport(Transport):
         self._dealers: List[Optional[zmq.Socket]] = [None] * size
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._io = threading.Lock()            # held by the one thread reading the router
-        self._match = threading.Lock()         # guards _matcher
+        self._match = threading.Lock()         # guards self.matcher
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
-        self._matcher: Matcher[Tuple[wire.Header, Union[zmq.Frame, _Parked]]] = Matcher(rank)
-        self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"))
+        self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"),
+                               on_broken=self.matcher.refuse)
         self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
         self._wake_r.setblocking(False)
@@ -104,7 +104,6 @@ class TcpTransport(Transport):
         self._ident_rank: Dict[bytes, int] = {}
         self._seen_nonces: set = set()
         self._token = b""
-        self._closed = False
         self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
         self._peer_monitors: Dict[zmq.Socket, int] = {}  # a DEALER's monitor -> the peer it reaches
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
@@ -146,18 +145,16 @@ class TcpTransport(Transport):
         self._bulk.establish(bulk_endpoints, token, deadline)
 
     # -- data path -----------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=False)
-        self._refuse_broken_stream(peer)
-        if not self._matcher.admit(req, "send to"):
-            return req
+    def _start_send(self, req: Request) -> None:
+        peer, key, dtype, view = req.peer, req.key, req.dtype, req.view
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
         if sock is None:
             raise ValueError(f"rank {self.rank}: this tcp transport does not connect to rank {peer} "
                              f"(it serves ranks {self.peers})")
         if req.nbytes >= self._bulk_threshold and peer != self.rank:
-            return self._bulk_send(req, peer, key, dtype)
+            self._bulk_send(req, peer, key, dtype)
+            return
         with self._send_locks[peer]:
             sock.send(header, SNDMORE)
             if req.nbytes >= self._copy_threshold:
@@ -165,9 +162,8 @@ class TcpTransport(Transport):
             else:
                 sock.send(view)
                 req.done = True
-        return req
 
-    def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> Request:
+    def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> None:
         """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
         def done(error: Optional[BaseException]) -> None:
             req.error, req.done = error, True
@@ -177,16 +173,12 @@ class TcpTransport(Transport):
             self._dealers[peer].send_multipart([announce, b""])
             if self._bulk.send(peer, Outgoing(req.view, done)):
                 self._wake_w.send(b"w")  # whoever drives must now poll this stream for writing
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
         with self._match:
-            self._refuse_broken_stream(peer)
-            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+            arrival = self.matcher.post(req)  # what a peer sent before dying still counts
         if arrival is None:
-            return req
+            return
         header, frame = arrival
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if isinstance(frame, _Parked):
@@ -194,18 +186,17 @@ class TcpTransport(Transport):
                 if frame.buffer is None and frame.error is None:  # still unread: it lands in place
                     self._aim(req, frame.incoming)
                     self._wake_w.send(b"r")  # whoever drives must now read that stream
-                    return req
+                    return
                 if not frame.complete:  # being read aside: its completion delivers
                     frame.req = req
-                    return req
+                    return
             if frame.error is not None:
                 fail(req, frame.error)
-                return req
+                return
         self._check_length(req, len(frame.buffer))
         if req.error is None:
             req.deliver(frame.buffer)
         req.done = True
-        return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -224,7 +215,7 @@ class TcpTransport(Transport):
                     pending[0].handle.wait(min(step, _SEND_SLICE))
                 except zmq.NotDone:
                     self._progress(pending, 0.0)  # notice a peer that died with our data unsent
-                    self._matcher.fail_pending(pending)
+                    self.matcher.fail_pending(pending)
 
     @staticmethod
     def _send_finished(req: Request) -> bool:
@@ -324,9 +315,9 @@ class TcpTransport(Transport):
     def _deliver(self, peer: int, header: wire.Header) -> None:
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            req = self._matcher.take(match)
+            req = self.matcher.take(match)
             if req is None:
-                self._matcher.stash(match, (header, self._router.recv(copy=False)))
+                self.matcher.stash(match, (header, self._router.recv(copy=False)))
                 return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is not None:
@@ -348,12 +339,12 @@ class TcpTransport(Transport):
             return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            req = self._matcher.take(match)
+            req = self.matcher.take(match)
             incoming = Incoming(header.nbytes, lambda error: None)
             if req is None:
                 parked = incoming.owner = _Parked(incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
-                self._matcher.stash(match, (header, parked))
+                self.matcher.stash(match, (header, parked))
             self._bulk.expect(peer, incoming)
         if req is not None:
             req.check_incoming(self.rank, header.nbytes, header.dtype)
@@ -397,12 +388,6 @@ class TcpTransport(Transport):
             req.deliver(parked.buffer)
         fail(req, error)
 
-    def _refuse_broken_stream(self, peer: int) -> None:
-        """Nothing new goes to or comes from a peer whose bulk stream broke."""
-        why = self._bulk.closed_by.get(peer)
-        if why is not None:
-            self._matcher.refuse(peer, why)
-
     def _peer_lost(self, monitor: zmq.Socket) -> None:
         """A peer's connection dropped: keep what it sent, fail every receive still waiting on it."""
         try:
@@ -411,7 +396,7 @@ class TcpTransport(Transport):
         except zmq.Again:
             pass
         peer = self._peer_monitors[monitor]
-        if peer not in self.dead and not self._closed:
+        if peer not in self.dead and not self.closed:
             self._lost_at.setdefault(peer, time.monotonic())
 
     def _expire_lost(self) -> None:
@@ -433,11 +418,11 @@ class TcpTransport(Transport):
         log.warning("rank %d: lost the tcp connection to rank %d (%s)", self.rank, peer, self.dead[peer])
         with self._match:
             if died:
-                self._matcher.break_job(PeerError(
+                self.matcher.break_job(PeerError(
                     f"rank {self.rank}: rank {peer} died (its tcp connection dropped without a goodbye); this "
                     "communicator cannot complete collectives any more: recreate it", peer))
             else:
-                self._matcher.peer_gone(peer, self.dead[peer])
+                self.matcher.peer_gone(peer, self.dead[peer])
         if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
             self._bulk.fail(peer, self.dead[peer])
 
@@ -448,16 +433,10 @@ class TcpTransport(Transport):
 
     def _accept_hello(self, ident: bytes, payload: bytes) -> None:
         try:
-            src, nonce = wire.check_hello(self._token, self.rank, payload)
-            if nonce in self._seen_nonces:
-                raise ValueError("replayed hello")
-            if not 0 <= src < self.size:
-                raise ValueError(f"hello from rank {src} outside 0..{self.size - 1}")
+            self._ident_rank[ident] = wire.check_hello(self._token, self.rank, payload, size=self.size,
+                                                       seen=self._seen_nonces)
         except ValueError as e:
             self._reject(ident, str(e))
-            return
-        self._seen_nonces.add(nonce)
-        self._ident_rank[ident] = src
 
     def _skip_rest(self) -> None:
         while self._router.getsockopt(RCVMORE):
@@ -480,10 +459,7 @@ class TcpTransport(Transport):
             log.warning("rank %d: tcp transport rejected a connection on %s that does not speak the "
                         "protocol (handshake failed)", self.rank, endpoint)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _shutdown(self) -> None:
         for peer, sock in enumerate(self._dealers):  # stop each monitor before closing its socket
             if sock is not None and peer != self.rank:
                 sock.disable_monitor()

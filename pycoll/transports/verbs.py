@@ -35,9 +35,9 @@ from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import Request, Transport
 from .capabilities import SinkReceive
-from .matching import Matcher, fail, fail_all
+from .matching import fail, fail_all
 from .verbs_device import (LandingPool, MrCache, Port, Registration, SlotPool, load_pyverbs, open_channel,
                            open_port)
 
@@ -144,11 +144,10 @@ class VerbsTransport(Transport):
         self._last_completion = 0.0        # when the CQ last had something (probes wait for quiet)
         self._wrs: Dict[int, Tuple[_Peer, int, Optional[Callable[[], None]]]] = {}  # on success
         self._next_wr = 0
-        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._incoming: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> receive
         self._outgoing: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> send
         self._token = b""
-        self._closing = self._closed = False
+        self._closing = False
         self.rejected = 0
         for peer in self._peers:
             if peer.rank != rank:
@@ -197,8 +196,8 @@ class VerbsTransport(Transport):
                 raise TimeoutError(f"rank {self.rank}: verbs transport heard no authenticated hello from "
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             self._wait_once(min(left, PROBE_AFTER))
-            if self._matcher.broken is not None:
-                raise self._matcher.broken
+            if self.matcher.broken is not None:
+                raise self.matcher.broken
 
     def _connect_qp(self, peer: _Peer, raw: bytes) -> None:
         """Move the queue pair to `peer` to ready-to-send, from the connection data it published."""
@@ -232,16 +231,14 @@ class VerbsTransport(Transport):
         return [p for p in self._peers if p.rank != self.rank]
 
     # -- data path -----------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=False)
-        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+    def _start_send(self, req: Request) -> None:
+        peer, key, view = req.peer, req.key, req.view
+        header = wire.pack_header(wire.KIND_DATA, req.dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
-            if not self._matcher.admit(req, "send to"):
-                return req
             if peer == self.rank:
                 self._arrive(self._peers[peer], wire.unpack_header(header), view, 0)
                 req.done = True
-                return req
+                return
             p = self._peers[peer]
             if req.nbytes <= self._eager_max:
                 def eager() -> bool:
@@ -254,18 +251,14 @@ class VerbsTransport(Transport):
                 reg, addr = self._mrs.acquire(view)  # registers while the RTS travels
                 self._outgoing[(peer, msg_id)] = _Transfer(req, reg, addr)
                 self._queue(p, _DATA, lambda: self._post_message(p, OP_RTS, header, msg_id=msg_id), req)
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
         with self._lock:
-            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+            arrival = self.matcher.post(req)  # what a peer sent before dying still counts
             if arrival is not None:
                 header, payload, msg_id = arrival
-                self._start_receive(self._peers[peer], req, header,
+                self._start_receive(self._peers[req.peer], req, header,
                                     None if payload is None else memoryview(payload), msg_id)
-        return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -274,11 +267,9 @@ class VerbsTransport(Transport):
             generation = self._generation
             with self._lock:
                 self._poll()
-            if all(r.done for r in reqs):
-                return True
             now = time.monotonic()
-            if now >= deadline:
-                return False
+            if now >= deadline or all(r.done for r in reqs):
+                return all(r.done for r in reqs)
             if now - max(self._last_completion, probed) >= PROBE_AFTER:
                 self._probe_peers({r.peer for r in reqs if not r.done})
                 probed = now
@@ -388,20 +379,17 @@ class VerbsTransport(Transport):
         try:
             if op != OP_HELLO:
                 raise ValueError(f"operation {op} before the hello")
-            src, _ = wire.check_hello(self._token, self.rank, bytes(payload))
-            if src != peer.rank:
-                raise ValueError(f"hello from rank {src} on the queue pair of rank {peer.rank}")
+            wire.check_hello(self._token, self.rank, bytes(payload), src=peer.rank)
+            peer.hello = True
         except ValueError as e:
             self._reject(peer, str(e))
-            return
-        peer.hello = True
 
     def _arrive(self, peer: _Peer, header: wire.Header, payload: Optional[memoryview], msg_id: int) -> None:
         """A message (eager payload, or an RTS when payload is None) matched or kept for later."""
         match = (peer.rank, header.comm_id, header.seq, header.tag)
-        req = self._matcher.take(match)
+        req = self.matcher.take(match)
         if req is None:
-            self._matcher.stash(match, (header, None if payload is None else bytes(payload), msg_id))
+            self.matcher.stash(match, (header, None if payload is None else bytes(payload), msg_id))
             return
         self._start_receive(peer, req, header, payload, msg_id)
 
@@ -563,13 +551,13 @@ class VerbsTransport(Transport):
             return
         why = status if isinstance(status, str) else \
             f"work completion status {status}, {_WC_STATUS.get(status, 'unknown')}"
-        if self._matcher.broken is None:
+        if self.matcher.broken is None:
             log.warning("rank %d: rank %d died or became unreachable: %s", self.rank, peer.rank, why)
-        self._matcher.break_job(PeerError(
+        self.matcher.break_job(PeerError(
             f"rank {self.rank}: rank {peer.rank} died or became unreachable (its queue pair on "
             f"{self.port.device} failed: {why}); this communicator cannot complete collectives any "
             "more: recreate it", peer.rank))
-        self._fail_transfers(self._matcher.broken, None)
+        self._fail_transfers(self.matcher.broken, None)
 
     def _on_bye(self, peer: _Peer) -> None:
         """The peer closed after its last message: nothing still expected from it will come."""
@@ -577,7 +565,7 @@ class VerbsTransport(Transport):
         self._peer_closed(peer)
 
     def _peer_closed(self, peer: _Peer) -> None:
-        self._matcher.peer_gone(peer.rank, "it closed its communicator")
+        self.matcher.peer_gone(peer.rank, "it closed its communicator")
         self._fail_transfers(PeerError(f"rank {self.rank}: rank {peer.rank} closed its communicator before "
                                        "this transfer finished", peer.rank), {peer.rank})
 
@@ -601,11 +589,8 @@ class VerbsTransport(Transport):
         log.warning("rank %d: verbs transport dropped a message from rank %d: %s", self.rank, peer.rank, reason)
 
     # -- teardown ------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         """Say bye, flush what was sent (bounded), then destroy queue pairs, memory and the device."""
-        if self._closed:
-            return
-        self._closed = True
         start = time.monotonic()
         with self._lock:
             self._poll()
