@@ -128,8 +128,8 @@ _VARS = [
         "folder of the tuner's calibration cache, per transport and host pair; `off` disables it"),
     Var("PYCOLL_TIMEOUT", number(), "300",
         "seconds any wait may take before `pycoll.TimeoutError` names the peers; per call: `timeout=`"),
-    Var("PYCOLL_DEBUG", one_of("INFO", "TRACE", "DETAIL"), None,
-        "`INFO` (or `TRACE`): the tuner's calibration and each choice with its predicted time; `DETAIL`: "
+    Var("PYCOLL_DEBUG", one_of("WARN", "INFO", "TRACE", "DETAIL"), "WARN",
+        "`WARN`: warnings only; `INFO` (or `TRACE`): the tuner's calibration and each choice with its predicted time; `DETAIL`: "
         "before every collective all ranks compare (collective, dtype, count, op, root) and raise "
         "`pycoll.MismatchError` naming the first differing rank; every rank must set the same"),
     # -- where ranks are ---------------------------------------------------------------------

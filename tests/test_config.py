@@ -89,7 +89,7 @@ def test_choices_and_limits_match_the_code():
     ("PYCOLL_VERBS_ACK_TIMEOUT", "32", "an integer from 0 to 31"),
     ("PYCOLL_IB_GID_INDEX", "one", "an integer >= 0"),
     ("PYCOLL_STORE_HOSTED", "yes", "0 or 1"),
-    ("PYCOLL_DEBUG", "verbose", "one of INFO, TRACE, DETAIL"),
+    ("PYCOLL_DEBUG", "verbose", "one of WARN, INFO, TRACE, DETAIL"),
 ])
 def test_bad_values_name_the_variable_the_value_and_what_it_takes(name, bad, accepts):
     for call in (lambda: config.get(name, {name: bad}), lambda: config.load({name: bad})):
