@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import config
 from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import ProtocolError
@@ -36,7 +36,7 @@ class MismatchError(ProtocolError, ValueError):
 
 def enabled() -> bool:
     """True when PYCOLL_DEBUG=DETAIL."""
-    return os.environ.get("PYCOLL_DEBUG", "").upper() == "DETAIL"
+    return config.get("PYCOLL_DEBUG") == "DETAIL"
 
 
 def checked(collective: str, fingerprint: Fingerprint, body: Callable[[Channel], Any]

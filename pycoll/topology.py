@@ -18,6 +18,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import config
 from .bootstrap.netif import list_interfaces
 from .errors import EnvError
 
@@ -44,7 +45,7 @@ def host_id() -> str:
         parts.append(str(os.stat("/proc/self/ns/net").st_ino))
     except OSError:
         pass
-    return os.environ.get("PYCOLL_HOSTID") or "/".join(parts)
+    return config.get("PYCOLL_HOSTID") or "/".join(parts)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def rdma_devices() -> List[str]:
 
 def load_topo_file(path: Optional[str] = None) -> Dict[str, Any]:
     """PYCOLL_TOPO_FILE's contents ({} when unset); EnvError names the file and what is wrong."""
-    path = path if path is not None else os.environ.get("PYCOLL_TOPO_FILE")
+    path = path if path is not None else config.get("PYCOLL_TOPO_FILE")
     if not path:
         return {}
     try:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any, Callable, Optional
 
+from . import config
 from .bootstrap.env import discover
 from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
 from .bootstrap.store import PrefixStore, Store
@@ -12,17 +12,8 @@ from .comm import Communicator
 from .errors import EnvError
 from .transports import create_transport
 
-DEFAULT_TIMEOUT = 300.0
 _generation = itertools.count()  # each init() in a process gets its own namespace in the store
 _default: Optional[Communicator] = None
-
-
-def _env_timeout() -> float:
-    raw = os.environ.get("PYCOLL_TIMEOUT")
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT
-    except ValueError:
-        raise EnvError(f"PYCOLL_TIMEOUT={raw!r} is not a number of seconds") from None
 
 
 def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional[Store] = None, *,
@@ -30,10 +21,12 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     """Join the job and return the world communicator (also the default for module-level calls).
 
     With no arguments everything comes from the launcher's environment (torchrun, mpirun,
-    Slurm, `pycoll run`); `rank=, size=, store=` set it up by hand.
+    Slurm, `pycoll run`); `rank=, size=, store=` set it up by hand. Every PYCOLL_* variable is
+    checked first: a bad one is an EnvError naming it and what it accepts.
     """
     global _default
-    timeout = _env_timeout() if timeout is None else float(timeout)
+    settings = config.load()
+    timeout = settings["PYCOLL_TIMEOUT"] if timeout is None else float(timeout)
     if store is not None and rank is None:
         raise EnvError("init(store=...) also needs rank= and size=")
     job = discover(rank, size)
@@ -41,7 +34,7 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     ns = PrefixStore(f"pycoll/{next(_generation)}", base)
     membership = join(ns, job.rank, job.size, timeout)
     token = job_token(ns, job, timeout)
-    name = transport or os.environ.get("PYCOLL_TRANSPORT", "auto")
+    name = transport or settings["PYCOLL_TRANSPORT"]
     single_host = membership.local_size == job.size
     address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
     tr = create_transport(name, job.rank, job.size, address, membership.hosts)

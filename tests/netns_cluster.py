@@ -113,11 +113,14 @@ class Cluster:
     """`hosts` namespaces on one bridge; with `rate_mbit`, each host's link is a tbf of that rate."""
 
     def __init__(self, hosts: int, rate_mbit: Optional[float] = None, burst_kib: int = 256,
-                 latency_ms: float = float(os.environ.get("PYCOLL_TBF_LATENCY_MS", 20)),
+                 latency_ms: Optional[float] = None,
                  sysctls: Optional[Dict[str, str]] = None) -> None:
         if hosts < 1:
             raise ValueError(f"a cluster needs at least one host, got {hosts}")
-        self.nhosts, self.rate_mbit, self.burst_kib, self.latency_ms = hosts, rate_mbit, burst_kib, latency_ms
+        from pycoll import config  # not at the top: _worker must report even a failing pycoll import
+
+        self.nhosts, self.rate_mbit, self.burst_kib = hosts, rate_mbit, burst_kib
+        self.latency_ms = config.get("PYCOLL_TBF_LATENCY_MS") if latency_ms is None else latency_ms
         self.sysctls = dict(sysctls or {})  # per-namespace, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
         k = next(_COUNTER)
         tag = f"{_b36(os.getpid())}-{_b36(k)}"

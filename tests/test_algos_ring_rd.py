@@ -7,6 +7,7 @@ come back as digests and are compared with the digest of the reference.
 """
 import functools
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -182,7 +183,7 @@ def _run_cases(comm, cases):
     from pycoll.ops import as_op, reduce_into
     modules = {"ring": ring, "recursive_doubling": recursive_doubling,
                "halving_doubling": halving_doubling}
-    default_segment = ring.SEGMENT_BYTES
+    default_segment = ring.segment_bytes()
     out = []
     for i, case in enumerate(cases):
         kind, algo, counts, dtype, op, data, segment = case
@@ -195,7 +196,7 @@ def _run_cases(comm, cases):
         ch = HazardChannel(comm.channel("allreduce"))
         for module in modules.values():
             module.reduce_into = ch.reduce_into
-        ring.SEGMENT_BYTES = segment or default_segment
+        os.environ["PYCOLL_RING_SEGMENT"] = str(segment or default_segment)
         try:
             if kind == "allreduce":
                 fn(ch, mine, as_op(op))
@@ -207,7 +208,7 @@ def _run_cases(comm, cases):
                 res = np.empty(sum(counts), dt)
                 fn(ch, mine, res, v)
         finally:
-            ring.SEGMENT_BYTES = default_segment
+            os.environ["PYCOLL_RING_SEGMENT"] = str(default_segment)
             for module in modules.values():
                 module.reduce_into = reduce_into
         out.append((_ship(res, data), kept is None or mine.tobytes() == kept))

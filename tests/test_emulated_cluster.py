@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from netns_cluster import Cluster, unavailable
+from pycoll import config
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"emulated cluster: {unavailable()}")
 
 MIB = 1 << 20
-SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": os.environ.get("PYCOLL_SSAI", "1")}
+SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": config.get("PYCOLL_SSAI")}
 ALGOS = ["hierarchical", "ring", "flat_ring", "halving_doubling", "recursive_doubling", "tree"]
 
 
@@ -147,7 +148,7 @@ def test_tuned_allreduce_runs_at_the_link_rate(hosts, rate_mbit, sizes, tmp_path
     res = measure(hosts, rate_mbit, sizes, 5, tmp_path)
     text = report(res)
     print("\n" + text)
-    out = os.environ.get("PYCOLL_CLUSTER_REPORT")
+    out = config.get("PYCOLL_CLUSTER_REPORT")
     if out:
         with open(out, "a") as fh:
             fh.write(text + "\n\n" + json.dumps(res) + "\n\n")

@@ -306,7 +306,7 @@ def _job_under_fire(comm, n_inputs: int) -> Dict[str, Any]:
     if "error" in stats:
         raise stats["error"]
     return {"calls": calls, "worst_s": round(worst, 3), "took_s": round(time.monotonic() - t_start, 1),
-            "rejected": tr.rejected - before, "left_unmatched": len(tr._matcher.unexpected), "dead": len(tr.dead),
+            "rejected": tr.rejected - before, "left_unmatched": len(tr.matcher.unexpected), "dead": len(tr.dead),
             **stats}
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from collective_cases import run_matrix
 from multiproc import run_ranks
+from pycoll import config
 from pycoll.transports.verbs_device import unavailable_reason
 from test_collectives import ALL, _assert_matrix
 
@@ -225,7 +226,7 @@ def test_rank_killed_mid_transfer_fails_the_others_fast(n):
 
 # -- the VM itself (opt-in) ---------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PYCOLL_RDMA_VM"),
+@pytest.mark.skipif(not config.get("PYCOLL_RDMA_VM"),
                     reason="boots a soft-RoCE VM for many minutes: set PYCOLL_RDMA_VM=1 or run .ci/run-rdma-vm")
 @pytest.mark.timeout(3600)
 def test_soft_roce_vm():

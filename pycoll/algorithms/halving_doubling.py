@@ -3,7 +3,7 @@
 non-power-of-two n, MPI's fold adds one step each way, of S bytes, between the first 2(n-p') ranks.
 
 Each block's final value is computed once, by the rank that owns it, then copied: bit-identical.
-Allreduce exchanges move in segments of at most ring.SEGMENT_BYTES, all posted at once, and the
+Allreduce exchanges move in segments of at most ring.segment_bytes(), all posted at once, and the
 halving steps reduce each segment on arrival (no huge messages, no extra copy).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from .ring import chunk_bounds, chunk_edges, displacements
 
 
 def _segments(count: int, itemsize: int) -> list:
-    """[start, end) pieces of at most ring.SEGMENT_BYTES; both ends of an exchange compute the same."""
-    return chunk_bounds(count, max(1, -(-count * itemsize // ring.SEGMENT_BYTES)))
+    """[start, end) pieces of at most ring.segment_bytes(); both ends of an exchange compute the same."""
+    return chunk_bounds(count, max(1, -(-count * itemsize // ring.segment_bytes())))
 
 
 def _segmented_exchange(ch: Channel, tag: int, peer: int, send: np.ndarray, recv: np.ndarray,

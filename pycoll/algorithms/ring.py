@@ -1,7 +1,7 @@
 """Ring collectives: reduce-scatter and allgather pass blocks to the right neighbour, n-1 steps and
 (n-1)/n * S bytes sent per rank each; allreduce is both, 2(n-1) steps and 2(n-1)/n * S bytes.
 
-Every step is cut into segments of at most SEGMENT_BYTES, at least two per block (Gloo's
+Every step is cut into segments of at most segment_bytes() (PYCOLL_RING_SEGMENT), at least two per block (Gloo's
 numSegments = roundUp(max(ceil(S / segment), 2n), n), with Gloo's 1 MiB raised to 4 MiB since each
 message costs ~100 us of CPU here, which dominates once ranks share cores), and pipelined: the next
 segment is on the wire while numpy reduces the current one. Each block is reduced by the ranks in one fixed order
@@ -9,15 +9,15 @@ and then copied around, so every rank ends with bit-identical results.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import config
 from ..channel import Channel
 from ..ops import ReduceOp
 
-SEGMENT_BYTES = int(os.environ.get("PYCOLL_RING_SEGMENT", 4 << 20))
+SEGMENT_BYTES = config.REGISTRY["PYCOLL_RING_SEGMENT"].parse(None)  # the default: tuner.py's model reads it
 
 # one pipelined iteration: (send this, receive into `out`, other, scratch): with `other`, out ends as
 # op(incoming, other), reduced straight from the wire buffer where the transport allows, else via scratch
@@ -48,9 +48,14 @@ def chunk_edges(count: int, parts: int) -> List[int]:
     return [0] + [end for _, end in chunk_bounds(count, parts)]
 
 
+def segment_bytes() -> int:
+    """PYCOLL_RING_SEGMENT, read per call: the largest ring (and halving-doubling) message."""
+    return config.get("PYCOLL_RING_SEGMENT")
+
+
 def segments_per_block(block_bytes: int) -> int:
-    """Segments per ring block: at most SEGMENT_BYTES each, at least two (so the pipeline has depth)."""
-    return max(2, -(-block_bytes // SEGMENT_BYTES))
+    """Segments per ring block: at most segment_bytes() each, at least two (so the pipeline has depth)."""
+    return max(2, -(-block_bytes // segment_bytes()))
 
 
 class Segments:

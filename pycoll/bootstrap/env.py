@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .. import config
 from ..errors import EnvError
 
 # (source name, rank variable, size variable, local rank variable, local size variable)
@@ -78,14 +79,10 @@ def discover(rank: Optional[int] = None, size: Optional[int] = None,
     port = _int(env, "MASTER_PORT") if port_raw is not None else (29500 if addr else None)
     if port is not None and not 0 <= port < 65536:
         raise EnvError(f"MASTER_PORT={port} is not a TCP port")
-    token_hex = env.get("PYCOLL_JOB_TOKEN")
-    try:
-        token = bytes.fromhex(token_hex) if token_hex else None
-    except ValueError:
-        raise EnvError("PYCOLL_JOB_TOKEN must be hexadecimal") from None
+    token = config.get("PYCOLL_JOB_TOKEN", env)
     if size > 1 and addr is None and source not in MPI_SOURCES:
         raise EnvError(f"rank {rank} of {size} (from {source}) has no rendezvous: set MASTER_ADDR and "
                        "MASTER_PORT, pass store= to pycoll.init, or run under mpirun with mpi4py installed")
     return JobEnv(rank=rank, size=size, source=source, local_rank=local_rank, local_size=local_size,
                   master_addr=addr, master_port=port,
-                  store_hosted=env.get("PYCOLL_STORE_HOSTED") == "1", token=token)
+                  store_hosted=config.get("PYCOLL_STORE_HOSTED", env), token=token)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import fcntl
-import os
 import socket
 import struct
 from typing import List, Optional, Tuple
+
+from .. import config
 
 _SIOCGIFADDR = 0x8915
 
@@ -47,7 +48,7 @@ def select_address(spec: Optional[str] = None) -> Tuple[str, str]:
     With `spec` (PYCOLL_SOCKET_IFNAME syntax) the first matching interface wins; without it
     NCCL's order applies: ib*, then anything but docker/lo/virbr, then docker, then lo.
     """
-    spec = spec if spec is not None else os.environ.get("PYCOLL_SOCKET_IFNAME")
+    spec = spec if spec is not None else config.get("PYCOLL_SOCKET_IFNAME")
     ifaces = list_interfaces()
     if spec:
         for name, addr in ifaces:

@@ -1,4 +1,4 @@
-"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`."""
+"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`, `pycoll env`."""
 from __future__ import annotations
 
 import importlib
@@ -9,6 +9,7 @@ _COMMANDS = {
     "run": ("pycoll.cli.run", "start N local ranks of a script with the torchrun variables set"),
     "bench": ("pycoll.cli.bench", "nccl-tests-style benchmark, optionally beside Open MPI and Gloo"),
     "info": ("pycoll.cli.info", "topology (like nvidia-smi topo -m) and the tuner's table"),
+    "env": ("pycoll.cli.env", "every PYCOLL_* variable's value here, or the README's tables of them"),
 }
 
 

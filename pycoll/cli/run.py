@@ -19,8 +19,9 @@ import threading
 import time
 from typing import IO, Dict, List, Optional
 
+from .. import config
 from ..bootstrap.store import TCPStoreServer
-from ..errors import StoreError
+from ..errors import EnvError, StoreError
 
 MULTINODE_PORT = 29500  # the default master port when other nodes must know it in advance
 GRACE_S = 5.0  # how long ranks get between SIGTERM and SIGKILL at teardown
@@ -122,16 +123,15 @@ def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Opt
     """The hex job token the store demands; several nodes must share it, so it comes from env."""
     if args.nnodes == 1:
         return secrets.token_bytes(32).hex()
-    token = os.environ.get("PYCOLL_JOB_TOKEN")
+    try:
+        token = config.get("PYCOLL_JOB_TOKEN")
+    except EnvError as e:
+        parser.error(str(e))
     if token is None:
         _say("warning: PYCOLL_JOB_TOKEN is not set, so node 0's store admits any client; "
              "export the same secret (e.g. `openssl rand -hex 32`) on every node")
         return None
-    try:
-        bytes.fromhex(token)
-    except ValueError:
-        parser.error("PYCOLL_JOB_TOKEN must be hex digits")
-    return token
+    return token.hex()
 
 
 class _Job:

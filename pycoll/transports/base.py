@@ -1,79 +1,42 @@
 """The Transport interface: tagged, nonblocking point-to-point of contiguous buffers.
 
 A transport knows ranks, bytes and keys; it knows nothing about collectives. Messages are
-matched by (peer, comm_id, seq, tag) in FIFO order, so a peer running ahead is buffered,
-and a message whose size or dtype differs from the posted receive is a ProtocolError.
+matched by (peer, comm_id, seq, tag) in FIFO order (matching.py, one engine for every transport),
+so a peer running ahead is buffered, and a message whose size or dtype differs from the posted
+receive is a ProtocolError. What a transport offers beyond that is declared in `capabilities`.
 """
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Type, TypeVar
-
-Sink = Callable[[memoryview, int], None]
-"""Consumes a received payload in place: sink(piece, offset) once or several times, in order; each
-piece starts at byte `offset` of the message, a multiple of 16 (so of every dtype's itemsize)."""
+from typing import Dict, Optional, Sequence, Type, TypeVar
 
 from ..bootstrap.store import Store
-from ..errors import PeerError, ProtocolError, TimeoutError
+from ..errors import PeerError, TimeoutError
 from .capabilities import Capability
+from .matching import Matcher
+from .request import MsgKey, Request, Sink, as_bytes
 
 C = TypeVar("C", bound=Capability)
-
-
-class MsgKey(NamedTuple):
-    """What a message belongs to: communicator, collective call number, and step tag."""
-
-    comm_id: int
-    seq: int
-    tag: int
-
-
-class Request:
-    """One posted send or receive; `done` flips when the buffer may be reused or read."""
-
-    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle", "sink")
-
-    def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool,
-                 sink: Optional[Sink] = None) -> None:
-        self.peer, self.key, self.view, self.dtype, self.is_recv = peer, key, view, dtype, is_recv
-        self.nbytes = view.nbytes
-        self.done = False
-        self.error: Optional[BaseException] = None
-        self.handle: Any = None  # transport-private: a send tracker, an MPI request, ...
-        self.sink = sink         # consumes the payload instead of a copy into `view` (see irecv)
-
-    def deliver(self, payload: memoryview, offset: int = 0) -> None:
-        """Hand received bytes (size-checked) to the sink, or copy them into the view at `offset`."""
-        if self.sink is None:
-            self.view[offset:offset + payload.nbytes] = payload
-            return
-        try:
-            self.sink(payload, offset)
-        except Exception as e:  # the waiter gets it, naming the peer
-            self.error = e
-
-    def check_incoming(self, rank: int, nbytes: int, dtype: int) -> None:
-        """Fail this receive (without touching its buffer) if the message does not fit it."""
-        if nbytes != self.nbytes or (dtype and self.dtype and dtype != self.dtype):
-            self.error = ProtocolError(
-                f"rank {rank}: message from rank {self.peer} (comm {self.key.comm_id:#x}, call "
-                f"{self.key.seq}, tag {self.key.tag}) carries {nbytes} bytes of dtype code {dtype}, "
-                f"but the receive expects {self.nbytes} bytes of dtype code {self.dtype}; "
-                "did the ranks call the collective with different sizes or dtypes?", self.peer)
-
-    def describe(self) -> str:
-        return f"{'recv from' if self.is_recv else 'send to'} rank {self.peer}"
+_CLOSING = threading.Lock()  # makes close() run its work once, whichever thread calls it
+__all__ = ["C", "MsgKey", "Request", "Sink", "Transport", "deadline_after"]
 
 
 class Transport(ABC):
-    """Full-mesh point-to-point between the ranks of one job."""
+    """Full-mesh point-to-point between the ranks of one job.
+
+    isend/irecv make the Request and let the matcher turn away requests of a gone peer; a transport
+    implements _start_send (an admitted send) and _start_recv (match with matcher.post under its
+    lock, then start), and _shutdown for close()."""
 
     name = "base"
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.capabilities: Dict[type, Capability] = {}  # what it offers beyond point-to-point, by kind
+        self.matcher: Matcher = Matcher(rank)          # posted receives, unexpected arrivals, failed peers
+        self.closed = False
 
     def offers(self, kind: Type[C]) -> Optional[C]:
         """This transport's capability of class `kind` (capabilities.py), or None."""
@@ -83,18 +46,32 @@ class Transport(ABC):
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         """Publish this rank's address in the store, connect to every peer, authenticate with `token`."""
 
-    @abstractmethod
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
         """Start sending a contiguous byte view; the view must stay untouched until the request is done."""
+        req = Request(peer, key, as_bytes(view), dtype, is_recv=False)
+        if self.matcher.admit(req, "send to"):
+            self._start_send(req)
+        return req
 
-    @abstractmethod
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
         """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`.
 
-        With `sink` (only where the transport offers SinkReceive), the payload is passed to sink(piece, offset) instead,
-        in the progressing thread, e.g. to reduce straight from the wire buffer while it is in cache.
+        With `sink` (only where the transport offers SinkReceive), the payload is passed to
+        sink(piece, offset) instead, in the progressing thread, e.g. to reduce straight from the
+        wire buffer while it is in cache.
         """
+        req = Request(peer, key, as_bytes(view), dtype, is_recv=True, sink=sink)
+        self._start_recv(req)
+        return req
+
+    def _start_send(self, req: Request) -> None:
+        """Start an admitted send (its peer is not known to be gone)."""
+        raise NotImplementedError(f"{self.name} sends through isend")
+
+    def _start_recv(self, req: Request) -> None:
+        """Match a new receive with what arrived (matcher.post, under the transport's lock) and start it."""
+        raise NotImplementedError(f"{self.name} receives through irecv")
 
     @abstractmethod
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
@@ -106,9 +83,17 @@ class Transport(ABC):
             raise self._timeout_error(reqs, timeout, what)
         self._raise_errors(reqs, what)
 
-    @abstractmethod
     def close(self) -> None:
-        """Flush pending sends (bounded) and release sockets and memory."""
+        """Flush pending sends (bounded) and release sockets and memory; later calls do nothing."""
+        with _CLOSING:
+            if self.closed:
+                return
+            self.closed = True
+        self._shutdown()
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """close()'s work, run once."""
 
     def _timeout_error(self, reqs: Sequence[Request], timeout: float, what: object) -> TimeoutError:
         pending = [r for r in reqs if not r.done]

@@ -68,10 +68,13 @@ class Incoming:
 class BulkLinks:
     """One raw stream per peer: connect/authenticate, then nonblocking writes and reads in FIFO order."""
 
-    def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0, local_sndbuf: int = 0) -> None:
+    def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0, local_sndbuf: int = 0,
+                 on_broken: Callable[[int, str], None] = lambda peer, why: None) -> None:
         """`buffer_bytes`: SO_SNDBUF and SO_RCVBUF of every stream (0: autotuning); `local_sndbuf`:
-        SO_SNDBUF of the streams to ranks on this host, when `buffer_bytes` is 0 (0: autotuning)."""
+        SO_SNDBUF of the streams to ranks on this host, when `buffer_bytes` is 0 (0: autotuning);
+        `on_broken(peer, why)` runs when a peer's stream breaks (nothing new may use it)."""
         self.rank, self.size, self._buffer_bytes, self._local_sndbuf = rank, size, buffer_bytes, local_sndbuf
+        self._on_broken = on_broken
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((address, 0))
         self._listener.listen(max(8, size))
@@ -134,7 +137,7 @@ class BulkLinks:
             if not chunk:
                 raise ValueError("connection closed during the hello")
             data += chunk
-        src, _ = wire.check_hello(token, self.rank, bytes(data))  # fresh connection: no replay to fear
+        src = wire.check_hello(token, self.rank, bytes(data))  # fresh connection: no replay to fear
         if peer is not None and src != peer:
             raise PeerError(f"rank {self.rank}: bulk stream to rank {peer} answered as rank {src}", peer)
         if not 0 <= src < self.size or src == self.rank:
@@ -186,7 +189,7 @@ class BulkLinks:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # any thread may write: fail the sends only, the reader fails the rest
-                self.closed_by.setdefault(peer, f"its bulk stream broke while sending ({e})")
+                self._broke(peer, f"its bulk stream broke while sending ({e})")
                 self._fail_out(peer, PeerError(f"rank {self.rank}: rank {peer} {self.closed_by[peer]}", peer))
                 return
             item.sent += n
@@ -250,13 +253,17 @@ class BulkLinks:
 
     def fail(self, peer: int, why: str) -> None:
         """The peer's stream is unusable: fail everything queued on it, both ways (io lock held)."""
-        self.closed_by.setdefault(peer, why)
+        self._broke(peer, why)
         err = PeerError(f"rank {self.rank}: rank {peer} {why}", peer)
         pending = list(self._in[peer])
         self._in[peer].clear()
         for item in pending:
             item.on_done(err)
         self._fail_out(peer, err)
+
+    def _broke(self, peer: int, why: str) -> None:
+        self.closed_by.setdefault(peer, why)
+        self._on_broken(peer, self.closed_by[peer])
 
     def _fail_out(self, peer: int, err: PeerError) -> None:
         with self._out_locks[peer]:

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Callable, Deque, Dict, Generic, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import PeerError
-from .base import MsgKey, Request
+from .request import MsgKey, Request
 
 Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
 A = TypeVar("A")  # what a transport keeps of an unexpected arrival

@@ -48,7 +48,6 @@ from . import wire
 from .base import MsgKey, Request, Transport
 from .capabilities import MpiCommunicators
 from .liveness import PidWatch
-from .matching import Matcher
 
 log = logging.getLogger("pycoll.mpi")
 
@@ -118,10 +117,8 @@ class MpiTransport(Transport):
         self._native: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
         self.capabilities[MpiCommunicators] = _MpiComms(self)
         self._ops: List[Tuple[Any, _Then, bool]] = []  # (MPI request, on completion, is a send)
-        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._waiting: Dict[_Slot, int] = {}  # posted receives per slot
         self._listening: Set[_Slot] = set()   # slots with a header Irecv outstanding
-        self._closed = False
         self._local = [p for p in range(size) if p != rank and hosts and hosts[p] == hosts[rank]]
         self._pids = PidWatch(rank)           # same-host peers' processes
         self._next_check = 0.0
@@ -154,11 +151,9 @@ class MpiTransport(Transport):
             self._pids.watch(p, _PID.unpack(entries[p][:_PID.size])[0], f"MPI rank {p}")
 
     # -- data path -------------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=False)
-        if not self._matcher.admit(req, "send to"):
-            return req
-        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+    def _start_send(self, req: Request) -> None:
+        peer, key, view = req.peer, req.key, req.view
+        header = wire.pack_header(wire.KIND_DATA, req.dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         tag, BYTE = self._mpi_tag(key), self._mpi.BYTE
         with self._lock:
             if req.nbytes <= EAGER_BYTES:
@@ -168,29 +163,25 @@ class MpiTransport(Transport):
                 self._ops.append((self._comm.Isend([header, BYTE], peer, tag), None, True))
                 self._ops.append((self._comm.Isend([view, BYTE], peer, tag),
                                   lambda status: self._finish(req), True))
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True)
+    def _start_recv(self, req: Request) -> None:
         with self._lock:
-            arrival = self._matcher.post(req)
+            arrival = self.matcher.post(req)
             if arrival is None:
                 if not req.done:  # posted: listen for its header
-                    slot = (peer, self._mpi_tag(key))
+                    slot = (req.peer, self._mpi_tag(req.key))
                     self._waiting[slot] = self._waiting.get(slot, 0) + 1
                     if slot not in self._listening:
                         self._listen(slot)
-                return req
-            if arrival.ready:
+            elif arrival.ready:
                 self._deliver(req, arrival.header, arrival.data)
             else:
                 arrival.claimed = req
-        return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         """As Transport.wait_for; once a same-host peer died, every pending request fails naming it."""
-        done = self._poll(lambda: self._matcher.broken is not None or all(r.done for r in reqs), timeout)
-        self._matcher.fail_pending(reqs)
+        done = self._poll(lambda: self.matcher.broken is not None or all(r.done for r in reqs), timeout)
+        self.matcher.fail_pending(reqs)
         return done
 
     def _poll(self, finished: Callable[[], bool], timeout: float) -> bool:
@@ -223,11 +214,11 @@ class MpiTransport(Transport):
     def _check_peers(self) -> None:
         """Declare the job broken if a same-host peer's process has exited (its pidfd is readable)."""
         gone = self._pids.exited()
-        if not gone or self._matcher.broken is not None:
+        if not gone or self.matcher.broken is not None:
             return
         log.warning("rank %d: MPI rank(s) %s died; failing every pending operation", self.rank, gone)
         with self._lock:
-            self._matcher.break_job(PeerError(
+            self.matcher.break_job(PeerError(
                 f"rank {self.rank}: MPI rank {gone[0]} died (its process exited); this communicator cannot "
                 "complete collectives any more, and MPI cannot finalize: this rank calls MPI_Abort when it "
                 "exits", gone[0]))
@@ -274,7 +265,7 @@ class MpiTransport(Transport):
         match = (peer, header.comm_id, header.seq, header.tag)
         eager = header.nbytes <= EAGER_BYTES
         data = memoryview(buf)[wire.HEADER.size:wire.HEADER.size + header.nbytes] if eager else None
-        req = self._matcher.take(match)
+        req = self.matcher.take(match)
         if req is not None:
             self._waiting[slot] -= 1
             if eager:
@@ -288,7 +279,7 @@ class MpiTransport(Transport):
                     req.done = True
         else:
             arrival = _Arrival(header, data, eager)
-            self._matcher.stash(match, arrival)
+            self.matcher.stash(match, arrival)
             if not eager:
                 arrival.data = bytearray(header.nbytes)
                 self._receive(arrival.data, peer, tag, lambda status: self._arrived(arrival))
@@ -330,15 +321,12 @@ class MpiTransport(Transport):
         req.done = True
 
     # -- lifetime --------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         """Let sends in flight finish (bounded), cancel receives nobody got, free the communicators."""
-        if self._closed:
-            return
-        self._closed = True
         self._pids.close()
         if self._mpi.Is_finalized():
             return
-        broken = self._matcher.broken is not None
+        broken = self.matcher.broken is not None
         linger = 0.0 if broken else _LINGER  # sends to a dead rank never finish
         self._poll(lambda: not any(is_send for _, _, is_send in self._ops), linger)
         with self._lock:

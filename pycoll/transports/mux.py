@@ -45,6 +45,7 @@ class AutoTransport(Transport):
                 t.connect(store, token, max(0.0, deadline - time.monotonic()))
 
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
+        """The peer's own transport makes, admits and starts the request."""
         return self._route[peer].isend(view, peer, key, dtype)
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
@@ -75,7 +76,7 @@ class AutoTransport(Transport):
             if time.monotonic() >= deadline:
                 return False
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         for t in (self._shm, self._tcp):
             if t is not None:
                 t.close()

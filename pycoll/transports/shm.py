@@ -17,6 +17,19 @@ token HMACs; each segment is unlinked as soon as every peer has mapped it, so no
 stages where they run large allreduces two-shot.
 A sleeper also polls a pidfd per local peer: a peer that exits
 without marking its segment closed died, and every pending request then fails naming it (as tcp).
+
+Memory ordering: the rings and the board rely on x86-64's total store order (TSO), with no fence of
+their own. A writer copies the payload, then stores the head counter (an aligned int64, one store);
+a reader loads the head, then reads the payload, then stores the tail; a board post writes its slot,
+byte count and signature, then its call counter. TSO keeps stores in order with stores and loads
+with loads (and loads before later stores), so whoever sees a counter sees the bytes it publishes.
+The only fence is _fence(), for the store->load order of the doorbell handshake (the one reordering
+x86 does). On ARM or POWER a reader could see a new head or counter before the bytes behind it
+(stale or garbage payload, a wrong signature), and a writer could reuse space the reader is still
+reading; a port needs release stores and acquire loads of the counters (a tiny C helper, or the
+`atomics` package; a lock round trip is no full fence there either), or shm refused there. Nothing
+checks the architecture today: shm and the board run wherever they are asked to (see
+docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -33,17 +46,17 @@ from collections import deque
 
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
+from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import Request, Transport
 from .liveness import PidWatch
-from .matching import Match, Matcher
+from .matching import Match
 from .capabilities import SharedBoard, SinkReceive
 from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 
 SHM_DIR = "/dev/shm"
-RING_BYTES = int(os.environ.get("PYCOLL_SHM_RING", 0))  # per ordered pair of ranks; 0: see _ring_bytes
 _MIN_RING, _MAX_RING = 64 << 10, 16 << 20
 _BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
@@ -67,7 +80,8 @@ _FENCE = threading.Lock()
 
 def _fence() -> None:
     """Full memory barrier (the lock's atomic read-modify-write): orders a counter store before the
-    doorbell-flag load after it, on both sides, so a sleeper never misses a wake-up."""
+    doorbell-flag load after it, on both sides, so a sleeper never misses a wake-up. (A locked RMW is a
+    full fence on x86; on ARM/POWER a lock's acquire and release are not: see the module docstring.)"""
     _FENCE.acquire()
     _FENCE.release()
 
@@ -91,16 +105,11 @@ def _ring_at(ring: int, slot: int) -> int:
     return _PAGE + BOARD_BYTES + slot * (_PAGE + ring)
 
 
-def _as_bytes(view: memoryview) -> memoryview:
-    """A flat unsigned-byte view, so slicing counts bytes whatever the caller's format."""
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def _ring_bytes(local: int) -> int:
     """The ring size of this rank's segment: PYCOLL_SHM_RING, or the largest power of two up to
     16 MiB (two 4 MiB ring-algorithm segments in flight) keeping all local segments within _BUDGET;
     then halved while they would take more than half of SHM_DIR's free space."""
-    want = RING_BYTES or min(_MAX_RING, _BUDGET // (local * local))
+    want = config.get("PYCOLL_SHM_RING") or min(_MAX_RING, _BUDGET // (local * local))
     ring = 1 << (max(want, _MIN_RING).bit_length() - 1)
     st = os.statvfs(SHM_DIR)
     while ring > _MIN_RING and local * _ring_at(ring, local) > st.f_bavail * st.f_frsize // 2:
@@ -173,7 +182,6 @@ class ShmTransport(Transport):
         self._cond = threading.Condition(self._lock)  # followers wait here while another thread drives
         self._driving = False
         self._followers = 0
-        self._matcher: Matcher[_Inbound] = Matcher(rank)
         self._maps: List[mmap.mmap] = []
         self._views: List[memoryview] = []  # every view into the maps, released before unmapping
         self._path: Optional[str] = None    # my segment's file, until unlinked
@@ -181,7 +189,6 @@ class ShmTransport(Transport):
         self._poll = select.poll()
         self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
         self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self)})
-        self._closed = False
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -290,37 +297,28 @@ class ShmTransport(Transport):
     def _verify(self, token: bytes, proof: bytes, src: int, dst: int, what: str) -> None:
         """Trust `what` of rank `src` only if it carries a hello from `src` to `dst` made with the token."""
         try:
-            got, _ = wire.check_hello(token, dst, proof)
-            if got != src:
-                raise ValueError(f"hello from rank {got}")
+            wire.check_hello(token, dst, proof, src=src)
         except ValueError as e:
             raise PeerError(f"rank {self.rank}: {what} of rank {src} failed authentication ({e}); "
                             "not trusting it", src) from None
 
     # -- posting -------------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        p = self._peer(peer)
-        req = Request(peer, key, _as_bytes(view), dtype, is_recv=False)
-        if not self._matcher.admit(req, "send to"):
-            return req
-        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+    def _start_send(self, req: Request) -> None:
+        p, key = self._peer(req.peer), req.key
+        header = wire.pack_header(wire.KIND_DATA, req.dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
             if p.queue or not self._put(p, header, req):
                 p.queue.append(_Outbound(req, header))
                 self._push(p)
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        p = self._peer(peer)
-        req = Request(peer, key, _as_bytes(view), dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
+        p = self._peer(req.peer)
         with self._lock:
-            inb = self._matcher.post(req)
+            inb = self.matcher.post(req)
             if inb is not None:
                 self._claim(inb, req)
             elif not req.done:
                 p.expecting += 1
-        return req
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
@@ -338,8 +336,8 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._lock:
             while not all(r.done for r in reqs):
-                if self._matcher.broken is not None:
-                    self._matcher.fail_pending(reqs)
+                if self.matcher.broken is not None:
+                    self.matcher.fail_pending(reqs)
                     return True
                 if not self._driving:
                     self._driving = True
@@ -375,8 +373,8 @@ class ShmTransport(Transport):
                 idle = 0
             if all(r.done for r in reqs):
                 return True
-            if self._matcher.broken is not None:
-                self._matcher.fail_pending(reqs)
+            if self.matcher.broken is not None:
+                self.matcher.fail_pending(reqs)
                 return True
             now = time.monotonic()
             if now >= deadline:
@@ -422,7 +420,7 @@ class ShmTransport(Transport):
         """Local peer `peer`'s process exited: if it never closed its transport it died, which breaks
         every collective of this job; a peer that closed fails only what waits on it (_fail_if_gone)."""
         if not self._peers[peer].flags[_CLOSED]:
-            self._matcher.break_job(PeerError(
+            self.matcher.break_job(PeerError(
                 f"rank {self.rank}: rank {peer} died (its process exited without closing its shm transport); "
                 "this communicator cannot complete collectives any more", peer))
 
@@ -434,7 +432,7 @@ class ShmTransport(Transport):
         closed = self._peers[gone].flags[_CLOSED]
         if closed >= _CLOSED_AFTER:
             dead = closed - _CLOSED_AFTER
-            self._matcher.break_job(PeerError(
+            self.matcher.break_job(PeerError(
                 f"rank {self.rank}: rank {dead} died (rank {gone} saw it and closed its shm transport); this "
                 "communicator cannot complete collectives any more", dead))
 
@@ -448,8 +446,8 @@ class ShmTransport(Transport):
                 continue
             except ConnectionRefusedError:
                 self._learn_failure(peer)
-                self._matcher.peer_gone(peer, "it died or closed its shm transport")
-        return self._matcher.fail_pending(reqs)
+                self.matcher.peer_gone(peer, "it died or closed its shm transport")
+        return self.matcher.fail_pending(reqs)
 
     def _poke(self, p: _Peer) -> None:
         try:
@@ -499,6 +497,8 @@ class ShmTransport(Transport):
         if nbytes:
             at = (off + _SLOT + skip) % ring
             data[at:at + nbytes] = req.view
+        # publish: header and payload stores above become visible before this head store (x86-TSO;
+        # ARM/POWER would need a release store here)
         p.out_ctrl[_HEAD] = p.wpos = end
         self._wake(p, _HEAD)
         req.done = True
@@ -528,7 +528,7 @@ class ShmTransport(Transport):
         queue, data, ctrl, ring = p.queue, p.out_data, p.out_ctrl, p.out_size
         mask = ring - 1
         wpos = start = p.wpos
-        free = ring - (wpos - ctrl[_TAIL])
+        free = ring - (wpos - ctrl[_TAIL])  # the reader loaded that space before freeing it (its tail store)
         while queue:
             ob = queue[0]
             if ob.header is not None:
@@ -558,7 +558,7 @@ class ShmTransport(Transport):
                 ob.req.done = True
             elif not n:
                 break
-            ctrl[_HEAD] = wpos
+            ctrl[_HEAD] = wpos  # after the piece's bytes: store->store order (x86-TSO; elsewhere a release store)
         if wpos != start:
             ctrl[_HEAD] = wpos  # also when a header went in but no room for the rest yet
             self._wake(p, _HEAD)
@@ -570,6 +570,8 @@ class ShmTransport(Transport):
         space; True if anything was read."""
         data, ctrl, ring = p.in_data, p.in_ctrl, p.in_size
         mask = ring - 1
+        # the head is loaded before the header and payload bytes it covers (load->load order, x86-TSO;
+        # ARM/POWER would need an acquire load, or they could read bytes older than the head)
         head, rpos = ctrl[_HEAD], p.rpos
         start = rpos
         while rpos != head:
@@ -599,7 +601,7 @@ class ShmTransport(Transport):
                     if req.sink is not None:
                         req.deliver(cur.dest)
                     req.done = True
-            ctrl[_TAIL] = rpos
+            ctrl[_TAIL] = rpos  # after the payload loads above (x86 keeps loads before later stores)
             self._wake(p, _TAIL)
         p.rpos = rpos
         return rpos != start
@@ -609,8 +611,8 @@ class ShmTransport(Transport):
         receive, else buffer it as unexpected, or (None) leave it in the ring for now."""
         ring = p.in_size
         off = rpos & (ring - 1)
-        match, nbytes, dtype = p.held or self._header(p, off)
-        first = self._matcher.waiting(match)
+        match, nbytes, dtype = p.held or self._header(p, off)  # read only below a head loaded first (_pull)
+        first = self.matcher.waiting(match)
         if first is None and not (drain or p.expecting):
             p.held = match, nbytes, dtype
             return None
@@ -624,9 +626,9 @@ class ShmTransport(Transport):
         inb = _Inbound(nbytes, dtype, skip, body)
         if first is None:
             inb.dest = memoryview(bytearray(nbytes))
-            self._matcher.stash(match, inb)
+            self.matcher.stash(match, inb)
             return inb
-        req = self._matcher.take(match)
+        req = self.matcher.take(match)
         p.expecting -= 1
         req.check_incoming(self.rank, nbytes, dtype)
         if req.error is not None:  # rejected: the payload is read and dropped
@@ -672,17 +674,14 @@ class ShmTransport(Transport):
             inb.dest, inb.req = req.view, req
 
     # -- shutdown ------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             queued = [ob.req for p in self._active for ob in p.queue]
         if queued:
             self.wait_for(queued, _LINGER)
         with self._lock:
             if self._peers[self.rank] is not None:  # peers now tell my exit from a death, and learn its cause
-                broken = self._matcher.broken
+                broken = self.matcher.broken
                 dead = broken.peer if broken is not None else None
                 self._peers[self.rank].flags[_CLOSED] = 1 if dead is None else _CLOSED_AFTER + dead
             self._pids.close()

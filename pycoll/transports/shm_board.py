@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..errors import ProtocolError
-from .base import MsgKey, Request
+from .request import MsgKey, Request
 from .capabilities import Board
 
 LANES = 16
@@ -126,9 +126,11 @@ class ShmBoard(Board):
         words = 2 * k - _POSTED  # from a lane's counter to this slot's byte count and signature
         mine = ctrls[self.rank]
         mine[at[self.rank] + _NBYTES + words], mine[at[self.rank] + _SIG + words] = data.nbytes, sig
+        # slot, count and signature, then the counter: a peer that sees b sees them, and this rank's reads
+        # of earlier calls' slots are done (x86-TSO: stores stay in order, loads before later stores)
         mine[at[self.rank]] = b
         self._wake(self._others)
-        late = [p for p in self._others if ctrls[p][at[p]] < b]
+        late = [p for p in self._others if ctrls[p][at[p]] < b]  # counters before slots: load order (x86-TSO)
         spins = SPIN_YIELDS
         while late and spins:  # most posts come within a few time slices
             os.sched_yield()
@@ -138,7 +140,7 @@ class ShmBoard(Board):
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
             key = MsgKey(self.comm_id, b, POST_TAG)
             self._wait([_Posted(p, key, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
-        nbytes = data.nbytes
+        nbytes = data.nbytes  # every counter was seen at b before these loads (ARM/POWER: acquire loads)
         for p in self._others:
             ctrl, i = ctrls[p], at[p] + words
             if ctrl[i + _NBYTES] != nbytes or ctrl[i + _SIG] != sig:

@@ -9,33 +9,28 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import zmq
 
+from .. import config
 from ..bootstrap.netif import select_address
 from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import MsgKey, Request, Transport
 from .capabilities import SinkReceive
-from .matching import Matcher, fail
+from .matching import fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
 
-COPY_THRESHOLD = int(os.environ.get("PYCOLL_TCP_COPY_THRESHOLD", 1 << 16))
-BULK_THRESHOLD = float(os.environ.get("PYCOLL_TCP_BULK_THRESHOLD", 1 << 17))  # "inf": zmq only
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
-IO_THREADS = int(os.environ.get("PYCOLL_TCP_IO_THREADS", 1))
-SOCKET_BUFFER = int(os.environ.get("PYCOLL_TCP_SOCKET_BUFFER", 0))  # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
-LOCAL_SNDBUF = int(os.environ.get("PYCOLL_TCP_LOCAL_SNDBUF", 1 << 19))  # same-host bulk streams (bulk.py); 0 = autotune
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
@@ -73,14 +68,17 @@ class TcpTransport(Transport):
         super().__init__(rank, size)
         self.capabilities[SinkReceive] = SinkReceive()
         self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
-        self._ctx = zmq.Context(io_threads=IO_THREADS)
+        self._copy_threshold = config.get("PYCOLL_TCP_COPY_THRESHOLD")
+        self._bulk_threshold = config.get("PYCOLL_TCP_BULK_THRESHOLD")  # inf: zmq only
+        self._socket_buffer = config.get("PYCOLL_TCP_SOCKET_BUFFER")  # SO_SNDBUF/SO_RCVBUF; 0: autotuning
+        self._ctx = zmq.Context(io_threads=config.get("PYCOLL_TCP_IO_THREADS"))
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, -1)
         self._router.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a silent stranger is dropped after 5 s
-        if SOCKET_BUFFER:
-            self._router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
+        if self._socket_buffer:
+            self._router.setsockopt(zmq.RCVBUF, self._socket_buffer)
         addr = address or select_address()[1]
         port = self._router.bind_to_random_port(f"tcp://{addr}")
         self.endpoint = f"tcp://{addr}:{port}"
@@ -94,10 +92,10 @@ class TcpTransport(Transport):
         self._dealers: List[Optional[zmq.Socket]] = [None] * size
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._io = threading.Lock()            # held by the one thread reading the router
-        self._match = threading.Lock()         # guards _matcher
+        self._match = threading.Lock()         # guards self.matcher
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
-        self._matcher: Matcher[Tuple[wire.Header, Union[zmq.Frame, _Parked]]] = Matcher(rank)
-        self._bulk = BulkLinks(rank, size, addr, SOCKET_BUFFER, LOCAL_SNDBUF)
+        self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"),
+                               on_broken=self.matcher.refuse)
         self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
         self._wake_r.setblocking(False)
@@ -106,7 +104,6 @@ class TcpTransport(Transport):
         self._ident_rank: Dict[bytes, int] = {}
         self._seen_nonces: set = set()
         self._token = b""
-        self._closed = False
         self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
         self._peer_monitors: Dict[zmq.Socket, int] = {}  # a DEALER's monitor -> the peer it reaches
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
@@ -126,8 +123,8 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
             sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
-            if SOCKET_BUFFER:
-                sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+            if self._socket_buffer:
+                sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
             if peer != self.rank:  # a dropped connection means the peer died or closed: fail fast
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._peer_monitors[monitor] = peer
@@ -148,28 +145,25 @@ class TcpTransport(Transport):
         self._bulk.establish(bulk_endpoints, token, deadline)
 
     # -- data path -----------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=False)
-        self._refuse_broken_stream(peer)
-        if not self._matcher.admit(req, "send to"):
-            return req
+    def _start_send(self, req: Request) -> None:
+        peer, key, dtype, view = req.peer, req.key, req.dtype, req.view
         header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         sock = self._dealers[peer]
         if sock is None:
             raise ValueError(f"rank {self.rank}: this tcp transport does not connect to rank {peer} "
                              f"(it serves ranks {self.peers})")
-        if req.nbytes >= BULK_THRESHOLD and peer != self.rank:
-            return self._bulk_send(req, peer, key, dtype)
+        if req.nbytes >= self._bulk_threshold and peer != self.rank:
+            self._bulk_send(req, peer, key, dtype)
+            return
         with self._send_locks[peer]:
             sock.send(header, SNDMORE)
-            if req.nbytes >= COPY_THRESHOLD:
+            if req.nbytes >= self._copy_threshold:
                 req.handle = sock.send(view, copy=False, track=True)
             else:
                 sock.send(view)
                 req.done = True
-        return req
 
-    def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> Request:
+    def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> None:
         """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
         def done(error: Optional[BaseException]) -> None:
             req.error, req.done = error, True
@@ -179,16 +173,12 @@ class TcpTransport(Transport):
             self._dealers[peer].send_multipart([announce, b""])
             if self._bulk.send(peer, Outgoing(req.view, done)):
                 self._wake_w.send(b"w")  # whoever drives must now poll this stream for writing
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
         with self._match:
-            self._refuse_broken_stream(peer)
-            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+            arrival = self.matcher.post(req)  # what a peer sent before dying still counts
         if arrival is None:
-            return req
+            return
         header, frame = arrival
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if isinstance(frame, _Parked):
@@ -196,18 +186,17 @@ class TcpTransport(Transport):
                 if frame.buffer is None and frame.error is None:  # still unread: it lands in place
                     self._aim(req, frame.incoming)
                     self._wake_w.send(b"r")  # whoever drives must now read that stream
-                    return req
+                    return
                 if not frame.complete:  # being read aside: its completion delivers
                     frame.req = req
-                    return req
+                    return
             if frame.error is not None:
                 fail(req, frame.error)
-                return req
+                return
         self._check_length(req, len(frame.buffer))
         if req.error is None:
             req.deliver(frame.buffer)
         req.done = True
-        return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -226,7 +215,7 @@ class TcpTransport(Transport):
                     pending[0].handle.wait(min(step, _SEND_SLICE))
                 except zmq.NotDone:
                     self._progress(pending, 0.0)  # notice a peer that died with our data unsent
-                    self._matcher.fail_pending(pending)
+                    self.matcher.fail_pending(pending)
 
     @staticmethod
     def _send_finished(req: Request) -> bool:
@@ -326,9 +315,9 @@ class TcpTransport(Transport):
     def _deliver(self, peer: int, header: wire.Header) -> None:
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            req = self._matcher.take(match)
+            req = self.matcher.take(match)
             if req is None:
-                self._matcher.stash(match, (header, self._router.recv(copy=False)))
+                self.matcher.stash(match, (header, self._router.recv(copy=False)))
                 return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is not None:
@@ -350,12 +339,12 @@ class TcpTransport(Transport):
             return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
-            req = self._matcher.take(match)
+            req = self.matcher.take(match)
             incoming = Incoming(header.nbytes, lambda error: None)
             if req is None:
                 parked = incoming.owner = _Parked(incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
-                self._matcher.stash(match, (header, parked))
+                self.matcher.stash(match, (header, parked))
             self._bulk.expect(peer, incoming)
         if req is not None:
             req.check_incoming(self.rank, header.nbytes, header.dtype)
@@ -399,12 +388,6 @@ class TcpTransport(Transport):
             req.deliver(parked.buffer)
         fail(req, error)
 
-    def _refuse_broken_stream(self, peer: int) -> None:
-        """Nothing new goes to or comes from a peer whose bulk stream broke."""
-        why = self._bulk.closed_by.get(peer)
-        if why is not None:
-            self._matcher.refuse(peer, why)
-
     def _peer_lost(self, monitor: zmq.Socket) -> None:
         """A peer's connection dropped: keep what it sent, fail every receive still waiting on it."""
         try:
@@ -413,7 +396,7 @@ class TcpTransport(Transport):
         except zmq.Again:
             pass
         peer = self._peer_monitors[monitor]
-        if peer not in self.dead and not self._closed:
+        if peer not in self.dead and not self.closed:
             self._lost_at.setdefault(peer, time.monotonic())
 
     def _expire_lost(self) -> None:
@@ -435,11 +418,11 @@ class TcpTransport(Transport):
         log.warning("rank %d: lost the tcp connection to rank %d (%s)", self.rank, peer, self.dead[peer])
         with self._match:
             if died:
-                self._matcher.break_job(PeerError(
+                self.matcher.break_job(PeerError(
                     f"rank {self.rank}: rank {peer} died (its tcp connection dropped without a goodbye); this "
                     "communicator cannot complete collectives any more: recreate it", peer))
             else:
-                self._matcher.peer_gone(peer, self.dead[peer])
+                self.matcher.peer_gone(peer, self.dead[peer])
         if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
             self._bulk.fail(peer, self.dead[peer])
 
@@ -450,16 +433,10 @@ class TcpTransport(Transport):
 
     def _accept_hello(self, ident: bytes, payload: bytes) -> None:
         try:
-            src, nonce = wire.check_hello(self._token, self.rank, payload)
-            if nonce in self._seen_nonces:
-                raise ValueError("replayed hello")
-            if not 0 <= src < self.size:
-                raise ValueError(f"hello from rank {src} outside 0..{self.size - 1}")
+            self._ident_rank[ident] = wire.check_hello(self._token, self.rank, payload, size=self.size,
+                                                       seen=self._seen_nonces)
         except ValueError as e:
             self._reject(ident, str(e))
-            return
-        self._seen_nonces.add(nonce)
-        self._ident_rank[ident] = src
 
     def _skip_rest(self) -> None:
         while self._router.getsockopt(RCVMORE):
@@ -482,10 +459,7 @@ class TcpTransport(Transport):
             log.warning("rank %d: tcp transport rejected a connection on %s that does not speak the "
                         "protocol (handshake failed)", self.rank, endpoint)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _shutdown(self) -> None:
         for peer, sock in enumerate(self._dealers):  # stop each monitor before closing its socket
             if sock is not None and peer != self.rank:
                 sock.disable_monitor()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import select
 import struct
@@ -32,39 +31,26 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
+from .. import config
 from ..bootstrap.store import Store
-from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
+from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Sink, Transport
+from .base import Request, Transport
 from .capabilities import SinkReceive
-from .matching import Matcher, fail, fail_all
+from .matching import fail, fail_all
 from .verbs_device import (LandingPool, MrCache, Port, Registration, SlotPool, load_pyverbs, open_channel,
                            open_port)
 
 log = logging.getLogger("pycoll.verbs")
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        raise EnvError(f"{name}={os.environ[name]!r} is not an integer") from None
-
-
-SLOT = _env_int("PYCOLL_VERBS_SLOT", 64 << 10)        # bytes per receive slot: the eager limit
-CREDITS = _env_int("PYCOLL_VERBS_CREDITS", 32)        # receive slots per peer
-CHUNK = _env_int("PYCOLL_VERBS_CHUNK", 1 << 20)       # RDMA write size of large messages
-SPIN_S = _env_int("PYCOLL_VERBS_SPIN_US", 50) * 1e-6  # CQ polling before blocking on the channel
-MR_CACHE = _env_int("PYCOLL_VERBS_MR_CACHE", 64)      # idle user-buffer registrations kept
 LANDING_KEEP = 64 << 20  # idle landing-buffer bytes kept for reuse
-ACK_TIMEOUT = _env_int("PYCOLL_VERBS_ACK_TIMEOUT", 16)  # 4.096 us * 2**n per try (0.27 s), 6 retries
 PROBE_AFTER = 1.0  # seconds without any completion before a waiter probes the peers it waits on
 _LINGER = 5.0      # close(): at most this long to flush what was sent
 _BYE_WAIT = 0.5    # close(): how long to wait for peers closing at the same moment to say bye
 
 TRAILER = struct.Struct("<BxxxIIIIQ4x")  # op, credits returned, message id, rkey, chunk, address
 PREFIX = wire.HEADER.size + TRAILER.size
-EAGER_MAX = SLOT - PREFIX
 OP_EAGER, OP_RTS, OP_CTS, OP_NACK, OP_CREDIT, OP_HELLO, OP_BYE = range(7)
 _DATA, _CONTROL = 2, 1  # credits a message needs: data keeps the last one for CREDIT/BYE
 _RECV_BIT = 1 << 62
@@ -81,12 +67,12 @@ _BYE_HEADER = wire.pack_header(wire.KIND_BYE, 0, 0, 0, 0, 0)
 class _Peer:
     """One remote rank: its queue pair, credits, and the sends waiting for credits."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, credits: int) -> None:
         self.rank = rank
         self.qp: Any = None
         self.psn = secrets.randbits(24)
         self.recv_wrs: List[Any] = []
-        self.credits = CREDITS   # receive slots the peer has posted for us that we have not used
+        self.credits = credits   # receive slots the peer has posted for us that we have not used
         self.owed = 0            # slots we reposted for it and have not told it about
         self.sq_used = 0
         # (credits needed, needs a send slot, post one work request -> finished?, request or None)
@@ -110,7 +96,7 @@ class _Transfer:
                  land: Optional[SlotPool] = None) -> None:
         self.req, self.reg, self.land, self.addr = req, reg, land, addr
         self.done_bytes = self.posted = 0
-        self.remote = (0, 0, CHUNK)  # sender side: (address, rkey, chunk) from the CTS
+        self.remote = (0, 0, 0)  # sender side: (address, rkey, chunk) from the CTS
 
     @property
     def mr(self) -> Any:
@@ -130,25 +116,27 @@ class VerbsTransport(Transport):
         super().__init__(rank, size)
         self.capabilities[SinkReceive] = SinkReceive()
         self._pv = pv = load_pyverbs()
-        if SLOT < PREFIX + 64 or CREDITS < 4 or CHUNK < 4096:
-            raise EnvError(f"PYCOLL_VERBS_SLOT must be >= {PREFIX + 64}, PYCOLL_VERBS_CREDITS >= 4 and "
-                           f"PYCOLL_VERBS_CHUNK >= 4096 (got {SLOT}, {CREDITS}, {CHUNK})")
-        self._ctx, port = open_port(pv, os.environ.get("PYCOLL_IB_DEV", ""))
+        self._slot = config.get("PYCOLL_VERBS_SLOT")        # bytes per receive slot: the eager limit
+        self._eager_max = self._slot - PREFIX
+        self._credits = credits = config.get("PYCOLL_VERBS_CREDITS")  # receive slots per peer
+        self._spin_s = config.get("PYCOLL_VERBS_SPIN_US") * 1e-6  # CQ polling before blocking on the channel
+        self._ack_timeout = config.get("PYCOLL_VERBS_ACK_TIMEOUT")  # 4.096 us * 2**n per try, 6 retries
+        self._ctx, port = open_port(pv, config.get("PYCOLL_IB_DEV") or "")
         self.port: Port = port
         e = pv.e
         self._pd = pv.pd.PD(self._ctx)
         self._channel, self._fd = open_channel(pv, self._ctx)
-        self._sq_depth = 2 * CREDITS
-        self._cq = pv.cq.CQ(self._ctx, size * (CREDITS + self._sq_depth) + 16, None, self._channel, 0)
+        self._sq_depth = 2 * credits
+        self._cq = pv.cq.CQ(self._ctx, size * (credits + self._sq_depth) + 16, None, self._channel, 0)
         local_write = e.IBV_ACCESS_LOCAL_WRITE
-        self._recv = SlotPool(pv, self._pd, size * CREDITS, SLOT, local_write)
-        self._send = SlotPool(pv, self._pd, max(16, min(CREDITS * (size - 1), 128)), SLOT, local_write)
+        self._recv = SlotPool(pv, self._pd, size * credits, self._slot, local_write)
+        self._send = SlotPool(pv, self._pd, max(16, min(credits * (size - 1), 128)), self._slot, local_write)
         self._free_slots = list(range(self._send.count))
         self._probe = SlotPool(pv, self._pd, 1, 64, local_write | e.IBV_ACCESS_REMOTE_WRITE)
-        self._mrs = MrCache(pv, self._pd, MR_CACHE)
+        self._mrs = MrCache(pv, self._pd, config.get("PYCOLL_VERBS_MR_CACHE"))
         self._landing = LandingPool(pv, self._pd, LANDING_KEEP)
-        self._chunk = min(CHUNK, self.port.max_msg) // 16 * 16
-        self._peers = [_Peer(r) for r in range(size)]
+        self._chunk = min(config.get("PYCOLL_VERBS_CHUNK"), self.port.max_msg) // 16 * 16
+        self._peers = [_Peer(r, credits) for r in range(size)]
         self._lock = threading.Lock()      # all state below, and every verbs call on the queues
         self._leader = threading.Lock()    # held by the one thread blocked on the channel
         self._cond = threading.Condition()
@@ -156,11 +144,10 @@ class VerbsTransport(Transport):
         self._last_completion = 0.0        # when the CQ last had something (probes wait for quiet)
         self._wrs: Dict[int, Tuple[_Peer, int, Optional[Callable[[], None]]]] = {}  # on success
         self._next_wr = 0
-        self._matcher: Matcher[_Arrival] = Matcher(rank)
         self._incoming: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> receive
         self._outgoing: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> send
         self._token = b""
-        self._closing = self._closed = False
+        self._closing = False
         self.rejected = 0
         for peer in self._peers:
             if peer.rank != rank:
@@ -169,16 +156,16 @@ class VerbsTransport(Transport):
     # -- connection set-up -------------------------------------------------------------------
     def _create_qp(self, peer: _Peer) -> None:
         pv, e = self._pv, self._pv.e
-        cap = pv.qp.QPCap(max_send_wr=self._sq_depth, max_recv_wr=CREDITS, max_send_sge=1, max_recv_sge=1)
+        cap = pv.qp.QPCap(max_send_wr=self._sq_depth, max_recv_wr=self._credits, max_send_sge=1, max_recv_sge=1)
         init = pv.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=1)
         peer.qp = pv.qp.QP(self._pd, init)
         attr = pv.qp.QPAttr(port_num=self.port.port)
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         attr.pkey_index = 0
         peer.qp.to_init(attr)
-        for i in range(CREDITS):
-            slot = peer.rank * CREDITS + i
-            sge = pv.wr.SGE(self._recv.addr(slot), SLOT, self._recv.mr.lkey)
+        for i in range(self._credits):
+            slot = peer.rank * self._credits + i
+            sge = pv.wr.SGE(self._recv.addr(slot), self._slot, self._recv.mr.lkey)
             peer.recv_wrs.append(pv.wr.RecvWR(wr_id=_RECV_BIT | slot, num_sge=1, sg=[sge]))
             peer.qp.post_recv(peer.recv_wrs[-1])
 
@@ -209,8 +196,8 @@ class VerbsTransport(Transport):
                 raise TimeoutError(f"rank {self.rank}: verbs transport heard no authenticated hello from "
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             self._wait_once(min(left, PROBE_AFTER))
-            if self._matcher.broken is not None:
-                raise self._matcher.broken
+            if self.matcher.broken is not None:
+                raise self.matcher.broken
 
     def _connect_qp(self, peer: _Peer, raw: bytes) -> None:
         """Move the queue pair to `peer` to ready-to-send, from the connection data it published."""
@@ -229,7 +216,7 @@ class VerbsTransport(Transport):
         attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
         # retry_cnt 6, not 7: soft-RoCE (rxe) takes 7 as "retry forever", and a dead peer would then
         # never fail; rnr_retry 7 is "forever" by the spec (credits keep receives posted anyway)
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, ACK_TIMEOUT, 6, 7
+        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, self._ack_timeout, 6, 7
         route = pv.addr.GlobalRoute(dgid=pv.addr.GID(gid), sgid_index=self.port.gid_index)
         attr.ah_attr = pv.addr.AHAttr(port_num=self.port.port, is_global=int(self.port.ethernet),
                                       gr=route, dlid=lid)
@@ -244,18 +231,16 @@ class VerbsTransport(Transport):
         return [p for p in self._peers if p.rank != self.rank]
 
     # -- data path -----------------------------------------------------------------------------
-    def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=False)
-        header = wire.pack_header(wire.KIND_DATA, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+    def _start_send(self, req: Request) -> None:
+        peer, key, view = req.peer, req.key, req.view
+        header = wire.pack_header(wire.KIND_DATA, req.dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._lock:
-            if not self._matcher.admit(req, "send to"):
-                return req
             if peer == self.rank:
                 self._arrive(self._peers[peer], wire.unpack_header(header), view, 0)
                 req.done = True
-                return req
+                return
             p = self._peers[peer]
-            if req.nbytes <= EAGER_MAX:
+            if req.nbytes <= self._eager_max:
                 def eager() -> bool:
                     self._post_message(p, OP_EAGER, header, view)
                     req.done = True  # copied into the send slot: the buffer is free again
@@ -266,18 +251,14 @@ class VerbsTransport(Transport):
                 reg, addr = self._mrs.acquire(view)  # registers while the RTS travels
                 self._outgoing[(peer, msg_id)] = _Transfer(req, reg, addr)
                 self._queue(p, _DATA, lambda: self._post_message(p, OP_RTS, header, msg_id=msg_id), req)
-        return req
 
-    def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
-              sink: Optional[Sink] = None) -> Request:
-        req = Request(peer, key, view, dtype, is_recv=True, sink=sink)
+    def _start_recv(self, req: Request) -> None:
         with self._lock:
-            arrival = self._matcher.post(req)  # what a peer sent before dying still counts
+            arrival = self.matcher.post(req)  # what a peer sent before dying still counts
             if arrival is not None:
                 header, payload, msg_id = arrival
-                self._start_receive(self._peers[peer], req, header,
+                self._start_receive(self._peers[req.peer], req, header,
                                     None if payload is None else memoryview(payload), msg_id)
-        return req
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -286,11 +267,9 @@ class VerbsTransport(Transport):
             generation = self._generation
             with self._lock:
                 self._poll()
-            if all(r.done for r in reqs):
-                return True
             now = time.monotonic()
-            if now >= deadline:
-                return False
+            if now >= deadline or all(r.done for r in reqs):
+                return all(r.done for r in reqs)
             if now - max(self._last_completion, probed) >= PROBE_AFTER:
                 self._probe_peers({r.peer for r in reqs if not r.done})
                 probed = now
@@ -305,7 +284,7 @@ class VerbsTransport(Transport):
                     self._cond.wait(limit)
             return
         try:
-            spin_until = time.monotonic() + SPIN_S
+            spin_until = time.monotonic() + self._spin_s
             while time.monotonic() < spin_until:
                 with self._lock:
                     if self._poll():
@@ -359,7 +338,7 @@ class VerbsTransport(Transport):
 
     def _on_receive(self, wc: Any) -> None:
         slot = wc.wr_id & ~_RECV_BIT
-        peer = self._peers[slot // CREDITS]
+        peer = self._peers[slot // self._credits]
         if wc.status != self._pv.e.IBV_WC_SUCCESS:
             self._peer_failed(peer, wc.status)
             return
@@ -368,7 +347,7 @@ class VerbsTransport(Transport):
         else:
             self._on_message(peer, self._recv.slot(slot)[:wc.byte_len])
         if not peer.dead:
-            peer.qp.post_recv(peer.recv_wrs[slot % CREDITS])
+            peer.qp.post_recv(peer.recv_wrs[slot % self._credits])
             peer.owed += 1
 
     def _on_message(self, peer: _Peer, data: memoryview) -> None:
@@ -378,7 +357,7 @@ class VerbsTransport(Transport):
         except (ValueError, struct.error) as e:
             self._reject(peer, f"not a pycoll verbs message ({e})")
             return
-        peer.credits = min(CREDITS, peer.credits + credits)
+        peer.credits = min(self._credits, peer.credits + credits)
         payload = data[PREFIX:]
         if not peer.hello:
             self._on_hello(peer, op, payload)
@@ -400,20 +379,17 @@ class VerbsTransport(Transport):
         try:
             if op != OP_HELLO:
                 raise ValueError(f"operation {op} before the hello")
-            src, _ = wire.check_hello(self._token, self.rank, bytes(payload))
-            if src != peer.rank:
-                raise ValueError(f"hello from rank {src} on the queue pair of rank {peer.rank}")
+            wire.check_hello(self._token, self.rank, bytes(payload), src=peer.rank)
+            peer.hello = True
         except ValueError as e:
             self._reject(peer, str(e))
-            return
-        peer.hello = True
 
     def _arrive(self, peer: _Peer, header: wire.Header, payload: Optional[memoryview], msg_id: int) -> None:
         """A message (eager payload, or an RTS when payload is None) matched or kept for later."""
         match = (peer.rank, header.comm_id, header.seq, header.tag)
-        req = self._matcher.take(match)
+        req = self.matcher.take(match)
         if req is None:
-            self._matcher.stash(match, (header, None if payload is None else bytes(payload), msg_id))
+            self.matcher.stash(match, (header, None if payload is None else bytes(payload), msg_id))
             return
         self._start_receive(peer, req, header, payload, msg_id)
 
@@ -493,7 +469,7 @@ class VerbsTransport(Transport):
                 break
             if post():
                 peer.backlog.popleft()
-        if peer.owed >= CREDITS // 4 and peer.credits >= _CONTROL and not peer.dead and \
+        if peer.owed >= self._credits // 4 and peer.credits >= _CONTROL and not peer.dead and \
                 peer.sq_used < self._sq_depth and self._free_slots:
             self._post_message(peer, OP_CREDIT, _CONTROL_HEADER)
 
@@ -575,13 +551,13 @@ class VerbsTransport(Transport):
             return
         why = status if isinstance(status, str) else \
             f"work completion status {status}, {_WC_STATUS.get(status, 'unknown')}"
-        if self._matcher.broken is None:
+        if self.matcher.broken is None:
             log.warning("rank %d: rank %d died or became unreachable: %s", self.rank, peer.rank, why)
-        self._matcher.break_job(PeerError(
+        self.matcher.break_job(PeerError(
             f"rank {self.rank}: rank {peer.rank} died or became unreachable (its queue pair on "
             f"{self.port.device} failed: {why}); this communicator cannot complete collectives any "
             "more: recreate it", peer.rank))
-        self._fail_transfers(self._matcher.broken, None)
+        self._fail_transfers(self.matcher.broken, None)
 
     def _on_bye(self, peer: _Peer) -> None:
         """The peer closed after its last message: nothing still expected from it will come."""
@@ -589,7 +565,7 @@ class VerbsTransport(Transport):
         self._peer_closed(peer)
 
     def _peer_closed(self, peer: _Peer) -> None:
-        self._matcher.peer_gone(peer.rank, "it closed its communicator")
+        self.matcher.peer_gone(peer.rank, "it closed its communicator")
         self._fail_transfers(PeerError(f"rank {self.rank}: rank {peer.rank} closed its communicator before "
                                        "this transfer finished", peer.rank), {peer.rank})
 
@@ -613,11 +589,8 @@ class VerbsTransport(Transport):
         log.warning("rank %d: verbs transport dropped a message from rank %d: %s", self.rank, peer.rank, reason)
 
     # -- teardown ------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         """Say bye, flush what was sent (bounded), then destroy queue pairs, memory and the device."""
-        if self._closed:
-            return
-        self._closed = True
         start = time.monotonic()
         with self._lock:
             self._poll()

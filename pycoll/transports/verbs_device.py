@@ -14,6 +14,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import config
 from ..errors import EnvError
 
 INSTALL_HINT = ("install it with `pip install 'pycoll[rdma]'` (builds rdma-core: needs cmake, "
@@ -52,7 +53,7 @@ def unavailable_reason() -> Optional[str]:
     """Why the verbs transport cannot run here (no pyverbs, no device, no active port), or None."""
     try:
         pv = load_pyverbs()
-        ctx, port = open_port(pv, os.environ.get("PYCOLL_IB_DEV", ""))
+        ctx, port = open_port(pv, config.get("PYCOLL_IB_DEV") or "")
     except EnvError as e:
         return str(e)
     ctx.close()
@@ -113,9 +114,9 @@ def open_port(pv: SimpleNamespace, spec: str = "") -> Tuple[Any, Port]:
 def _pick_gid(pv: SimpleNamespace, ctx: Any, port: int, table_len: int, ethernet: bool
               ) -> Tuple[int, Optional[str]]:
     """(index, gid): PYCOLL_IB_GID_INDEX, else on RoCE the best of v2 IPv4-mapped > v2 > v1, on IB index 0."""
-    forced = os.environ.get("PYCOLL_IB_GID_INDEX")
+    forced = config.get("PYCOLL_IB_GID_INDEX")
     if forced is not None or not ethernet:
-        index = int(forced) if forced is not None else 0
+        index = forced if forced is not None else 0
         return index, ctx.query_gid(port, index).gid
     best: Tuple[int, int, Optional[str]] = (-1, 0, None)
     for entry in ctx.query_gid_table(max(table_len, 1)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Set
 
 MAGIC = b"PYCL"
 VERSION = 1
@@ -46,13 +46,24 @@ def make_hello(token: bytes, src: int, dst: int, nonce: bytes) -> bytes:
     return HELLO.pack(src, dst, nonce, hello_mac(token, src, dst, nonce))
 
 
-def check_hello(token: bytes, dst: int, payload: bytes) -> tuple:
-    """(src, nonce) of a valid hello addressed to `dst`; ValueError otherwise."""
+def check_hello(token: bytes, dst: int, payload: bytes, *, src: Optional[int] = None, size: Optional[int] = None,
+                seen: Optional[Set[bytes]] = None) -> int:
+    """The sender of a valid hello addressed to `dst`; ValueError otherwise: a wrong token, a sender
+    other than `src` (when given) or outside 0..size-1, or a nonce already in `seen` (a replay;
+    a valid nonce is added to it)."""
     if len(payload) != HELLO.size:
         raise ValueError("hello of the wrong size")
-    src, to, nonce, mac = HELLO.unpack(payload)
+    sender, to, nonce, mac = HELLO.unpack(payload)
     if to != dst:
         raise ValueError(f"hello addressed to rank {to}, not {dst}")
-    if not hmac.compare_digest(mac, hello_mac(token, src, dst, nonce)):
+    if not hmac.compare_digest(mac, hello_mac(token, sender, dst, nonce)):
         raise ValueError("hello with a wrong job token")
-    return src, nonce
+    if src is not None and sender != src:
+        raise ValueError(f"hello from rank {sender}, expected rank {src}")
+    if size is not None and not 0 <= sender < size:
+        raise ValueError(f"hello from rank {sender} outside 0..{size - 1}")
+    if seen is not None:
+        if nonce in seen:
+            raise ValueError("replayed hello")
+        seen.add(nonce)
+    return sender
