@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import tuner
+from . import config, tuner
 from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import EnvError
@@ -31,7 +31,6 @@ from .topology import NET, SHM, Topology, load_topo_file
 from .tuner import DEFAULT, Link, Params, Tuner, info_log
 from .version import __version__
 
-MODES = ("probe", "model", "static")
 CACHE_TTL = 24 * 3600.0
 PROBE_BIG = 1 << 20
 PROBE_SMALL_REPS, PROBE_BIG_REPS = 8, 3
@@ -41,10 +40,7 @@ COLUMNS = {SHM: (0, 1), NET: (2, 3)}  # where each link class's alpha and beta s
 
 def mode() -> str:
     """PYCOLL_TUNER: probe (default), model or static; EnvError for anything else."""
-    value = os.environ.get("PYCOLL_TUNER", "probe").strip().lower() or "probe"
-    if value not in MODES:
-        raise EnvError(f"PYCOLL_TUNER={value!r} must be one of {list(MODES)}")
-    return value
+    return config.get("PYCOLL_TUNER")
 
 
 def file_links(topo_file: Optional[Dict] = None) -> Dict[str, Link]:
@@ -72,8 +68,8 @@ def base_params(topo: Topology) -> Params:
 
 def cache_dir() -> Optional[str]:
     """PYCOLL_TUNER_CACHE (default ~/.cache/pycoll/tuner); None when it is off."""
-    path = os.environ.get("PYCOLL_TUNER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pycoll", "tuner"))
-    return None if path.lower() in ("", "0", "off", "none") else path
+    path = config.get("PYCOLL_TUNER_CACHE")
+    return None if path.lower() in ("0", "off", "none") else path
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +209,7 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
     if how == "static":
         return None
     params = base_params(topo)
-    if how == "probe" and topo.size > 1 and not os.environ.get("PYCOLL_ALGO"):
+    if how == "probe" and topo.size > 1 and not config.get("PYCOLL_ALGO"):
         t = time.perf_counter()
         params = calibrate(make_channel, rank, topo, transport, params)
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
+from . import config
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from .topology import Topology
@@ -95,7 +95,7 @@ class Selector:
 
     def __init__(self, spec: Optional[str] = None, tuner: Optional[Tuner] = None,
                  board_bytes: Optional[int] = None) -> None:
-        self.spec = os.environ.get("PYCOLL_ALGO", "") if spec is None else spec
+        self.spec = (config.get("PYCOLL_ALGO") or "") if spec is None else spec
         self.allowed = parse_algo(self.spec)
         self.tuner = tuner
         self.board_bytes = board_bytes if board_bytes is not None else tuner.board_bytes if tuner else 0

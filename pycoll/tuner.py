@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -33,8 +32,9 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 
 import numpy as np
 
+from . import config
 from .algorithms.recursive_doubling import Fold
-from .algorithms.ring import SEGMENT_BYTES as RING_SEGMENT, segments_per_block
+from .algorithms.ring import segment_bytes, segments_per_block
 from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, btree
 from .topology import SHM, Topology
 
@@ -150,9 +150,9 @@ def doubling_pattern(collective: str, nbytes: float, n: int, halving: bool) -> L
         return out
     if not halving:  # one message per step, but past a ring segment it costs a latency per segment
         # like halving-doubling's: measured over tcp, 2 ranks, 64 MiB: 62-68 ms against 42-46 ms
-        rounds = [_exchange(fold, m, nbytes, max(1, math.ceil(nbytes / RING_SEGMENT)), nbytes)
+        rounds = [_exchange(fold, m, nbytes, max(1, math.ceil(nbytes / segment_bytes())), nbytes)
                   for m in _masks(fold.p2)]
-    else:  # halving: step m moves m/p2 of the data, in segments of at most RING_SEGMENT bytes (reduce_scatter:
+    else:  # halving: step m moves m/p2 of the data, in segments of at most segment_bytes() (reduce_scatter:
         # one message per step, charged the same; a survivor that absorbed a rank holds 2 of its n blocks)
         share = [(2 if i < fold.rem else 1) / n if collective == "reduce_scatter" else 1 / fold.p2
                  for i in range(fold.p2)]
@@ -161,7 +161,7 @@ def doubling_pattern(collective: str, nbytes: float, n: int, halving: bool) -> L
             pairs = [(fold.real(me), fold.real(me ^ m), nbytes * sum(share[(me ^ m) & -m:((me ^ m) & -m) + m]))
                      for me in range(fold.p2)]
             part = max(x for _, _, x in pairs)
-            return Round(max(1, math.ceil(part / RING_SEGMENT)), pairs, part if reduce else 0.0)
+            return Round(max(1, math.ceil(part / segment_bytes())), pairs, part if reduce else 0.0)
         rounds = [step(m, True) for m in reversed(_masks(fold.p2))]
         if collective != "reduce_scatter":
             rounds += [step(m, False) for m in _masks(fold.p2)]
@@ -401,7 +401,7 @@ def _time(t: float) -> str:
 def info_log() -> logging.Logger:
     """The tuner's logger, printing to stderr when PYCOLL_DEBUG is INFO or TRACE."""
     global _log_ready
-    if not _log_ready and os.environ.get("PYCOLL_DEBUG", "").upper() in ("INFO", "TRACE"):
+    if not _log_ready and config.get("PYCOLL_DEBUG") in ("INFO", "TRACE"):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("pycoll INFO %(message)s"))
         log.addHandler(handler)

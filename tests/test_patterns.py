@@ -14,7 +14,7 @@ functions (ops.combine in the Channel, reduce_into in the algorithms, the ufuncs
 algorithms) count the bytes they reduce.
 
 The segment sizes are lowered in the ranks and in the model alike (RING_SEG, TREE_SEG instead of
-ring.SEGMENT_BYTES = 4 MiB and tree.SEGMENT_BYTES = 1 MiB), so that sizes of a few hundred KiB
+PYCOLL_RING_SEGMENT = 4 MiB and tree.SEGMENT_BYTES = 1 MiB), so that sizes of a few hundred KiB
 already cut ring blocks, halving-doubling steps, double-tree lanes and chain broadcasts into
 several segments and the segment counts are checked too.
 
@@ -55,6 +55,7 @@ The default run covers n = 3, 4, 5 and two sizes (about 25-45 s here); the full 
 four sizes) is marked slow.
 """
 import collections
+import os
 import math
 
 import numpy as np
@@ -240,8 +241,8 @@ def _measure(comm, cases, ring_seg, tree_seg):
     from pycoll.selection import Selector
     from pycoll.transports.shm_board import SLOT_BYTES, STAGE_BYTES
 
-    ring.SEGMENT_BYTES, tree.SEGMENT_BYTES = ring_seg, tree_seg
-    tuner.RING_SEGMENT, tuner.TREE_SEGMENT = ring_seg, tree_seg  # the hierarchical phases' choice
+    assert ring.segment_bytes() == ring_seg  # PYCOLL_RING_SEGMENT, set for the ranks by _sweep
+    tree.SEGMENT_BYTES = tuner.TREE_SEGMENT = tree_seg  # tuner's copy: the hierarchical phases' choice
     selector = Selector("", tuner.Tuner(tuner.DEFAULT, SLOT_BYTES, STAGE_BYTES))
     rec = {"sends": [], "posts": [], "reads": [], "fetched": [], "reduced": 0, "phase": 0}
     _instrument(comm, rec)
@@ -454,10 +455,10 @@ def _compare_board(label, n, algo, nbytes, want, got_per_rank):
 
 def _sweep(ns, sizes):
     from pycoll import tuner
-    from pycoll.algorithms import ring, tree
-    saved = ring.SEGMENT_BYTES, tree.SEGMENT_BYTES, tuner.RING_SEGMENT, tuner.TREE_SEGMENT
-    ring.SEGMENT_BYTES, tree.SEGMENT_BYTES, tuner.RING_SEGMENT, tuner.TREE_SEGMENT = \
-        RING_SEG, TREE_SEG, RING_SEG, TREE_SEG
+    from pycoll.algorithms import tree
+    saved = tree.SEGMENT_BYTES, tuner.TREE_SEGMENT, os.environ.get("PYCOLL_RING_SEGMENT")
+    tree.SEGMENT_BYTES = tuner.TREE_SEGMENT = TREE_SEG
+    os.environ["PYCOLL_RING_SEGMENT"] = str(RING_SEG)  # the model here and the algorithms in the ranks
     bad = []
     try:
         for n in ns:
@@ -468,7 +469,11 @@ def _sweep(ns, sizes):
                 for i, case in enumerate(cases):
                     bad += _compare(n, case, [g[i] for g in got])
     finally:
-        ring.SEGMENT_BYTES, tree.SEGMENT_BYTES, tuner.RING_SEGMENT, tuner.TREE_SEGMENT = saved
+        tree.SEGMENT_BYTES, tuner.TREE_SEGMENT, ring_env = saved
+        if ring_env is None:
+            del os.environ["PYCOLL_RING_SEGMENT"]
+        else:
+            os.environ["PYCOLL_RING_SEGMENT"] = ring_env
     return bad
 
 

@@ -17,8 +17,6 @@ from .. import config
 from ..channel import Channel
 from ..ops import ReduceOp
 
-SEGMENT_BYTES = config.REGISTRY["PYCOLL_RING_SEGMENT"].parse(None)  # the default: tuner.py's model reads it
-
 # one pipelined iteration: (send this, receive into `out`, other, scratch): with `other`, out ends as
 # op(incoming, other), reduced straight from the wire buffer where the transport allows, else via scratch
 Transfer = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
