@@ -161,6 +161,10 @@ _VARS = [
         "SO_SNDBUF of tcp bulk streams between ranks on one host (`0`: kernel autotuning). Over loopback, "
         "data queued past the window leaves from the peer's CPU when its ACK comes and overtakes what "
         "waits on ours; a small buffer avoids that reordering"),
+    Var("PYCOLL_TCP_EAGER_WINDOW", size(0), "4M",
+        "bytes' worth of small (zmq) messages a tcp sender may have unconsumed at each peer (a message "
+        "counts at least 8.5 KiB; `0`: unbounded). Sends past it wait for the receiver to hand credit "
+        "back, so a rank running ahead cannot fill its peers' memory"),
     Var("PYCOLL_VERBS_SLOT", size(136), "64K",
         "bytes per verbs receive slot: messages that fit (less a 72-byte prefix) are sent eagerly, "
         "larger ones by RDMA write"),

@@ -3,7 +3,9 @@
 Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
 travel on a raw stream per pair (bulk.py), read straight into the posted buffer; smaller ones
 ride zmq. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
-job pays no thread hand-off per message.
+job pays no thread hand-off per message. What a peer may have sent us unconsumed is bounded:
+zmq messages by credit flow control (flow.py, PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by
+their stream (they wait on it, unread, until claimed or parked).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -25,6 +27,7 @@ from ..errors import PeerError, TimeoutError
 from . import wire
 from .base import MsgKey, Request, Transport
 from .capabilities import SinkReceive
+from .flow import Credits
 from .matching import fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
@@ -107,6 +110,8 @@ class TcpTransport(Transport):
         self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
         self._peer_monitors: Dict[zmq.Socket, int] = {}  # a DEALER's monitor -> the peer it reaches
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
+        window = config.get("PYCOLL_TCP_EAGER_WINDOW")
+        self._flow = Credits([p for p in self.peers if p != rank], size, window) if window > 0 else None
         self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
         self._said_bye: set = set()                       # peers that closed normally
 
@@ -155,24 +160,78 @@ class TcpTransport(Transport):
         if req.nbytes >= self._bulk_threshold and peer != self.rank:
             self._bulk_send(req, peer, key, dtype)
             return
+        flow = self._flow
         with self._send_locks[peer]:
-            sock.send(header, SNDMORE)
-            if req.nbytes >= self._copy_threshold:
-                req.handle = sock.send(view, copy=False, track=True)
-            else:
-                sock.send(view)
-                req.done = True
+            if flow is not None and peer != self.rank and not flow.admit(peer, req.nbytes):
+                self._hold(peer, req.nbytes, req, lambda: self._send_data(sock, header, req, view))
+                return
+            self._send_data(sock, header, req, view)
+
+    def _send_data(self, sock: zmq.Socket, header: bytes, req: Request, view: memoryview) -> None:
+        """Put a message on zmq (the peer's send lock held): copied if small, else zero-copy and tracked."""
+        sock.send(header, SNDMORE)
+        if req.nbytes >= self._copy_threshold:
+            req.handle = sock.send(view, copy=False, track=True)
+        else:
+            sock.send(view)
+            req.done = True
 
     def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> None:
         """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
         def done(error: Optional[BaseException]) -> None:
             req.error, req.done = error, True
 
-        announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
-        with self._send_locks[peer]:
+        def start() -> None:
             self._dealers[peer].send_multipart([announce, b""])
             if self._bulk.send(peer, Outgoing(req.view, done)):
-                self._wake_w.send(b"w")  # whoever drives must now poll this stream for writing
+                self._wake()  # whoever drives must now poll this stream for writing
+
+        announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
+        with self._send_locks[peer]:  # the announcement costs credit: it keeps its place among the messages
+            if self._flow is not None and not self._flow.admit(peer, 0):
+                self._hold(peer, 0, req, start)
+            else:
+                start()
+
+    # -- flow control (flow.py) ------------------------------------------------------------------
+    def _hold(self, peer: int, nbytes: int, req: Request, start: Callable[[], None]) -> None:
+        """A send past the peer's credit waits, its request not done (send lock held)."""
+        self._flow.hold(peer, nbytes, start, req, time.monotonic())  # a driver asks for credit (_drain)
+
+    def _ask_stalled(self) -> float:
+        """ASK the peers whose held sends have waited ASK_AFTER s for credit; seconds until the next."""
+        asks, wait = self._flow.asks_due(time.monotonic())
+        for peer in asks:
+            with self._send_locks[peer]:
+                if peer not in self.dead:
+                    self._dealers[peer].send_multipart([wire.pack_header(wire.KIND_ASK, 0, 0, 0, 0, 0), b""])
+        return wait
+
+    def _consumed(self, peer: int, nbytes: int) -> None:
+        """A message of `nbytes` on zmq from `peer` left our buffers: return credit when a batch is due
+        or the peer waits on it."""
+        if self._flow is not None and peer != self.rank:
+            self._give_credit(peer, self._flow.consumed(peer, nbytes))
+
+    def _give_credit(self, peer: int, amount: int) -> None:
+        if amount and peer not in self.dead and not self._dealers[peer].closed:
+            with self._send_locks[peer]:
+                self._dealers[peer].send_multipart([wire.pack_header(wire.KIND_CREDIT, 0, 0, 0, 0, amount), b""])
+
+    def _credit_back(self, peer: int, amount: int) -> None:
+        """The peer returned credit: start the held sends it now covers, in order."""
+        if self._flow is None:
+            return
+        with self._send_locks[peer]:
+            for start in self._flow.credit(peer, amount, time.monotonic()):
+                start()
+
+    def _credit_asked(self, peer: int) -> None:
+        """The peer waits on credit: return what we consumed (a rank without flow control returns plenty)."""
+        if self._flow is None:
+            self._give_credit(peer, 1 << 62)
+        elif peer != self.rank:
+            self._give_credit(peer, self._flow.asked(peer))
 
     def _start_recv(self, req: Request) -> None:
         with self._match:
@@ -180,12 +239,13 @@ class TcpTransport(Transport):
         if arrival is None:
             return
         header, frame = arrival
+        self._consumed(req.peer, 0 if isinstance(frame, _Parked) else header.nbytes)
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if isinstance(frame, _Parked):
             with self._match:
                 if frame.buffer is None and frame.error is None:  # still unread: it lands in place
                     self._aim(req, frame.incoming)
-                    self._wake_w.send(b"r")  # whoever drives must now read that stream
+                    self._wake()  # whoever drives must now read that stream
                     return
                 if not frame.complete:  # being read aside: its completion delivers
                     frame.req = req
@@ -239,6 +299,8 @@ class TcpTransport(Transport):
     def _drain(self, step: float) -> None:
         """Wait up to `step` s for traffic, then handle every message already queued (io lock held)."""
         step = min(step, self._park_stalled())
+        if self._flow is not None and self._flow.held:
+            step = min(step, self._ask_stalled())
         self._poll_streams()
         events = dict(self._poller.poll(math.ceil(step * 1000)))
         if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
@@ -275,6 +337,14 @@ class TcpTransport(Transport):
                     self._poller.register(sock, flags)  # registering again modifies
                     self._bulk_polled[peer] = flags
 
+    def _wake(self) -> None:
+        """Interrupt the driver's poll; a full socket means a wake-up is pending already (a burst of
+        bulk sends, e.g. held ones that credit released, writes one byte each)."""
+        try:
+            self._wake_w.send(b"w")
+        except BlockingIOError:
+            pass
+
     def _drain_wakeups(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -309,6 +379,12 @@ class TcpTransport(Transport):
             elif header.kind == wire.KIND_BULK:
                 self._skip_rest()
                 self._announce(peer, header)
+            elif header.kind == wire.KIND_CREDIT:
+                self._skip_rest()
+                self._credit_back(peer, header.nbytes)
+            elif header.kind == wire.KIND_ASK:
+                self._skip_rest()
+                self._credit_asked(peer)
             else:
                 self._deliver(peer, header)
 
@@ -331,6 +407,7 @@ class TcpTransport(Transport):
             self._check_length(req, self._router.recv_into(req.view))
         self._skip_rest()
         req.done = True
+        self._consumed(peer, header.nbytes)
 
     def _announce(self, peer: int, header: wire.Header) -> None:
         """A bulk payload is next on the peer's stream: aim it at its receive, or park it."""
@@ -347,6 +424,7 @@ class TcpTransport(Transport):
                 self.matcher.stash(match, (header, parked))
             self._bulk.expect(peer, incoming)
         if req is not None:
+            self._consumed(peer, 0)
             req.check_incoming(self.rank, header.nbytes, header.dtype)
             self._aim(req, incoming)
 
@@ -425,6 +503,12 @@ class TcpTransport(Transport):
                 self.matcher.peer_gone(peer, self.dead[peer])
         if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
             self._bulk.fail(peer, self.dead[peer])
+        if self._flow is not None:  # sends held back for credit that will not come
+            for p in (self.peers if died else [peer]):
+                with self._send_locks[p]:
+                    for req in self._flow.drop(p):
+                        fail(req, self.matcher.broken or PeerError(
+                            f"rank {self.rank}: send to rank {p} could not finish: {self.dead[peer]}", p))
 
     def _check_length(self, req: Request, got: int) -> None:
         if got != req.nbytes and req.error is None:
@@ -460,6 +544,11 @@ class TcpTransport(Transport):
                         "protocol (handshake failed)", self.rank, endpoint)
 
     def _shutdown(self) -> None:
+        deadline = time.monotonic() + _LINGER_MS / 1000
+        while self._flow is not None and self._flow.held and self.matcher.broken is None \
+                and time.monotonic() < deadline:  # sends still waiting on credit go before our goodbye
+            with self._io:
+                self._drain(_SLICE)
         for peer, sock in enumerate(self._dealers):  # stop each monitor before closing its socket
             if sock is not None and peer != self.rank:
                 sock.disable_monitor()
