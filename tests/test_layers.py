@@ -1,4 +1,4 @@
-"""The layers hold: algorithms import nothing from the layers above them, the tuner only goes down,
+"""The layers hold: transports and algorithms import nothing from the layers above them, the tuner only goes down,
 no module imports another's private names, and a split child is modelled with its own board."""
 import ast
 from pathlib import Path
@@ -41,6 +41,14 @@ def reaches(module: str, name: str, target: str) -> bool:
 def test_algorithms_import_nothing_from_the_layers_above(path):
     bad = [(m, n) for m, n in imports(path) for above in ABOVE_ALGORITHMS if reaches(m, n, above)]
     assert not bad, f"{path.name} imports from above the algorithms: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "transports").glob("*.py")), ids=lambda p: p.name)
+def test_transports_import_nothing_from_algorithms_or_above(path):
+    """A transport knows ranks, bytes and keys: no algorithm, channel, communicator or tuner."""
+    above = ("pycoll.algorithms", "pycoll.channel") + ABOVE_ALGORITHMS
+    bad = [(m, n) for m, n in imports(path) for a in above if reaches(m, n, a)]
+    assert not bad, f"transports/{path.name} imports from above the transports: {bad}"
 
 
 def test_the_cost_model_imports_only_downward():
