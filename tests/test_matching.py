@@ -26,14 +26,15 @@ def test_posted_receives_match_arrivals_oldest_first():
     first, second = _recv(1), _recv(1)
     assert m.post(first) is None and m.post(second) is None
     assert m.waiting(match_of(1, KEY)) is first
-    assert m.arrive(match_of(1, KEY), "a") is first
-    assert m.arrive(match_of(1, KEY), "b") is second
+    assert m.take(match_of(1, KEY)) is first
+    assert m.take(match_of(1, KEY)) is second
     assert m.posted == {} and m.unexpected == {}  # emptied queues leave no keys behind
 
 
 def test_unexpected_arrivals_wait_for_their_receive_in_order():
     m: Matcher[str] = Matcher(0)
-    assert m.arrive(match_of(2, KEY), "x") is None
+    assert m.take(match_of(2, KEY)) is None
+    m.stash(match_of(2, KEY), "x")
     m.stash(match_of(2, KEY), "y")
     other = MsgKey(0xC0, 3, 2)  # another tag does not match
     assert m.post(_recv(2, other)) is None
@@ -112,7 +113,7 @@ def test_matching_keeps_no_state_after_balanced_traffic(n):
         key = MsgKey(1, i, 0)
         if i % 2:
             m.post(_recv(i % 7, key))
-            assert m.arrive(match_of(i % 7, key), np.zeros(1)) is not None
+            assert m.take(match_of(i % 7, key)) is not None
         else:
             m.stash(match_of(i % 7, key), np.zeros(1))
             assert m.post(_recv(i % 7, key)) is not None

@@ -74,13 +74,6 @@ class Matcher(Generic[A]):
         """Keep an arrival nobody has asked for yet, behind any earlier one with the same key."""
         self.unexpected.setdefault(match, deque()).append(arrival)
 
-    def arrive(self, match: Match, arrival: A) -> Optional[Request]:
-        """The receive that takes an arrival, or None after keeping it as unexpected."""
-        req = self.take(match)
-        if req is None:
-            self.stash(match, arrival)
-        return req
-
     # -- failures ----------------------------------------------------------------------------
     def admit(self, req: Request, what: str) -> bool:
         """False (and `req` failed) if its peer is gone or the job is broken; `what` is 'send to' or
