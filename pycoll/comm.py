@@ -44,6 +44,7 @@ class Communicator:
         self._children = itertools.count()
         self._seq_lock = threading.Lock()
         self._worker: Optional[Worker] = None
+        self._p2p_worker: Optional[Worker] = None
         self._inflight = 0
         self._closed = False
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
@@ -417,6 +418,37 @@ class Communicator:
         self.transport.wait([req], limit, f"recv from rank {peer} tag {tag} on {self.name}")
         return x
 
+    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
+        """Start sending `x` to rank `dst` (posted now, so sends keep their call order); the Work
+        completes when the send has. `x` must stay untouched until then."""
+        self._check_open("isend")
+        arr = self._input(x, "isend", writable=False)
+        peer = self._peer(dst, "dst", "isend")
+        key, limit = self._p2p_key(tag, "isend"), self._deadline(timeout, "isend")
+        req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        return self._p2p_work(req, limit, f"isend to rank {peer} tag {tag} on {self.name}", None)
+
+    def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
+        """Post a receive of exactly `x`'s size and dtype from rank `src` into `x`; the Work's
+        result is `x` once it has arrived."""
+        self._check_open("irecv")
+        arr = self._input(x, "irecv", writable=True)
+        peer = self._peer(src, "src", "irecv")
+        key, limit = self._p2p_key(tag, "irecv"), self._deadline(timeout, "irecv")
+        req = self.transport.irecv(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        return self._p2p_work(req, limit, f"irecv from rank {peer} tag {tag} on {self.name}", x)
+
+    def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> Work:
+        """A Work finishing when the posted request `req` does, waited for on the p2p worker (in
+        posting order, off the collectives' worker so neither stalls the other)."""
+        if self._p2p_worker is None:
+            self._p2p_worker = Worker(f"pycoll-{self.name}-p2p")
+
+        def finish() -> Any:
+            self.transport.wait([req], limit, what)
+            return result
+        return self._p2p_worker.submit(what, finish)
+
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:
             raise ValueError(f"rank {self.rank}: {call} tag={tag!r} must be an integer in 0..2**62-1")
@@ -460,6 +492,8 @@ class Communicator:
         self._closed = True
         if self._worker is not None:
             self._worker.close()
+        if self._p2p_worker is not None:
+            self._p2p_worker.close()
         if self._owns_transport:
             self.transport.close()
             if self.store is not None:

@@ -5,7 +5,7 @@ import itertools
 from typing import Any, Callable, Optional
 
 from . import config
-from .bootstrap.env import discover
+from .bootstrap.env import JobEnv, discover
 from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
 from .bootstrap.store import PrefixStore, Store
 from .comm import Communicator
@@ -32,25 +32,34 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     job = discover(rank, size)
     base = store if store is not None else make_store(job, timeout)
     ns = PrefixStore(f"pycoll/{next(_generation)}", base)
+    comm = connect(job, ns, transport or settings["PYCOLL_TRANSPORT"], timeout,
+                   owned_store=base if store is None else None)
+    _default = comm
+    return comm
+
+
+def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_store: Optional[Store] = None,
+            name: str = "world") -> Communicator:
+    """Rendezvous on `ns` (a store namespace of this job's own), agree on the job token, connect the
+    transport and calibrate: the world communicator of init() and of the torch backend (pycoll.torch).
+    `owned_store` is closed with the communicator."""
     membership = join(ns, job.rank, job.size, timeout)
     token = job_token(ns, job, timeout)
-    name = transport or settings["PYCOLL_TRANSPORT"]
     single_host = membership.local_size == job.size
     address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
-    tr = create_transport(name, job.rank, job.size, address, membership.hosts)
+    tr = create_transport(transport, job.rank, job.size, address, membership.hosts)
     try:
         tr.connect(ns, token, timeout)
     except BaseException:
         tr.close()
         raise
-    comm = Communicator(tr, range(job.size), job.rank, "world", membership, timeout,
-                        store=base if store is None else None, owns_transport=True)
+    comm = Communicator(tr, range(job.size), job.rank, name, membership, timeout,
+                        store=owned_store, owns_transport=True)
     try:
         comm.calibrate()
     except BaseException:
         comm.close()
         raise
-    _default = comm
     return comm
 
 

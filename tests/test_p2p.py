@@ -181,3 +181,33 @@ def test_bad_arguments_fail_before_sending():
     for errors in run_ranks(_bad_args, 2, env=TCP):
         assert errors == ["ValueError", "ValueError", "ValueError", "ValueError", "ValueError",
                           "TypeError"]
+
+
+def _nonblocking(comm):
+    """isend/irecv: a ring of 1 MiB messages both ways at once (each rank posts both before
+    waiting), tags matched out of posting order, and errors raised through the Work."""
+    n, r = comm.size, comm.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    out = np.full(1 << 18, r, np.float32)
+    got = np.empty_like(out)
+    works = [comm.irecv(got, prv, tag=3), comm.isend(out, nxt, tag=3)]
+    assert all(w.wait(30) for w in works)
+    assert works[0].result() is got and np.all(got == prv)
+    a, b = np.empty(4, np.int64), np.empty(4, np.int64)
+    if r == 0:
+        wb = comm.isend(np.arange(4, dtype=np.int64) + 10, 1, tag=2)
+        wa = comm.isend(np.arange(4, dtype=np.int64), 1, tag=1)
+        wb.wait(), wa.wait()
+    elif r == 1:
+        wa, wb = comm.irecv(a, 0, tag=1), comm.irecv(b, 0, tag=2)
+        wa.wait(), wb.wait()
+        assert a.tolist() == [0, 1, 2, 3] and b.tolist() == [10, 11, 12, 13]
+    with pytest.raises(ValueError):
+        comm.isend(out, n, tag=0)
+    comm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_isend_irecv(transport):
+    assert run_ranks(_nonblocking, 3, env={"PYCOLL_TRANSPORT": transport}) == [True] * 3

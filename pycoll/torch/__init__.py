@@ -1,0 +1,385 @@
+"""The torch.distributed backend "pycoll": `import pycoll.torch`, then
+`dist.init_process_group("pycoll", ...)` runs torch's collectives on a pycoll Communicator.
+
+Importing this module registers the backend for CPU tensors. The backend rendezvouses through the
+c10d store torch hands it (no second port), with the same job token rules as
+`pycoll.init(rank=, size=, store=)`. Every collective returns a Work whose wait() re-raises
+pycoll's error and whose get_future() gives the output tensors (DDP comm hooks use it).
+`import pycoll` alone never imports torch.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..bootstrap.env import discover
+from ..bootstrap.store import Store
+from ..comm import Communicator
+from ..errors import TimeoutError
+from ..ops import ReduceOp
+from ..world import connect
+
+BACKEND = "pycoll"
+
+_OPS = {
+    dist.ReduceOp.RedOpType.SUM: ReduceOp.SUM, dist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
+    dist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PROD, dist.ReduceOp.RedOpType.MIN: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX: ReduceOp.MAX, dist.ReduceOp.RedOpType.BAND: ReduceOp.BAND,
+    dist.ReduceOp.RedOpType.BOR: ReduceOp.BOR, dist.ReduceOp.RedOpType.BXOR: ReduceOp.BXOR,
+}
+
+
+class C10dStore(Store):
+    """pycoll's Store interface over a torch c10d store (the one torch gives the backend)."""
+
+    def __init__(self, store: "dist.Store", timeout: float) -> None:
+        self._store, self.timeout = store, timeout
+
+    def _wait(self, keys: Sequence[str], timeout: Optional[float]) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            self._store.wait(list(keys), datetime.timedelta(seconds=max(t, 0.001)))
+        except RuntimeError as e:  # c10d's DistStoreError: a timeout (or a lost store)
+            missing = [k for k in keys if not self.check([k])]
+            raise TimeoutError(f"store keys still missing after {t:g} s: {missing} ({e})") from None
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, bytes(value))
+
+    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+        self._wait([key], timeout)
+        return bytes(self._store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, int(amount)))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._store.check(list(keys)))
+
+    def wait(self, keys: Sequence[str], timeout: Optional[float] = None) -> None:
+        self._wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._store.delete_key(key))
+
+
+class PycollWork(dist.Work):
+    """A torch Work over one or more pycoll Works (queued in order on one communicator): done when
+    the last is, then `post` (copies into torch's output tensors) runs; errors re-raise in wait()
+    and reach get_future()'s waiters."""
+
+    def __init__(self, works: Sequence[Any], outputs: List[torch.Tensor],
+                 post: Optional[Callable[[], None]] = None) -> None:
+        super().__init__()
+        self._works, self._outputs, self._post = list(works), outputs, post
+        self._done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        self._fut: "torch.futures.Future[List[torch.Tensor]]" = torch.futures.Future()
+        if self._works:
+            self._works[-1].get_future().add_done_callback(self._finish)
+        else:
+            self._finish(None)
+
+    def _finish(self, _: Any) -> None:
+        try:
+            for w in self._works:  # in call order: the first error is the cause
+                w.result()
+            if self._post is not None:
+                self._post()
+        except BaseException as e:
+            self._done.set_exception(e)
+            self._fut.set_exception(e)
+            return
+        self._done.set_result(self._outputs)
+        self._fut.set_result(self._outputs)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        try:
+            self._done.result(seconds or None)
+        except concurrent.futures.TimeoutError:
+            if self._done.done():
+                raise
+            raise TimeoutError(f"pycoll torch work was not complete after wait({seconds} s)") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def is_success(self) -> bool:
+        return self._done.done() and self._done.exception() is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._done.exception() if self._done.done() else None
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> "torch.futures.Future[List[torch.Tensor]]":
+        return self._fut
+
+
+def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+class ProcessGroupPycoll(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on a pycoll Communicator."""
+
+    def __init__(self, comm: Communicator, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.comm = comm
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- identity (FSDP2/DTensor/functional collectives need the names) -------------------------
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupPycoll({self.comm!r})"
+
+    # -- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _op(opts: Any) -> ReduceOp:
+        red = opts.reduceOp
+        kind = getattr(red, "op", red)
+        if kind not in _OPS:
+            raise ValueError(f"pycoll backend: reduce op {kind} is not supported")
+        return _OPS[kind]
+
+    @staticmethod
+    def _contig(t: torch.Tensor):
+        """(a contiguous buffer for `t`, a copy-back or None): pycoll needs C-contiguous memory."""
+        if t.is_contiguous():
+            return t, None
+        tmp = t.contiguous()
+        return tmp, (lambda: t.copy_(tmp))
+
+    @staticmethod
+    def _chain(*steps: Optional[Callable[[], Any]]) -> Optional[Callable[[], None]]:
+        live = [s for s in steps if s is not None]
+        if not live:
+            return None
+
+        def run() -> None:
+            for s in live:
+                s()
+        return run
+
+    # -- reductions -----------------------------------------------------------------------------
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
+        op = self._op(opts) if opts is not None else ReduceOp.SUM
+        works, posts = [], []
+        for t in tensors:
+            buf, back = self._contig(t)
+            works.append(self.comm.allreduce(buf, op=op, async_op=True))
+            posts.append(back)
+        return PycollWork(works, tensors, self._chain(*posts))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
+        op, root = self._op(opts), opts.rootRank
+        buf, back = self._contig(tensors[opts.rootTensor])
+        work = self.comm.reduce(buf, root=root, op=op, async_op=True)
+        return PycollWork([work], tensors, back if self.comm.rank == root else None)
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
+                       opts: Any) -> PycollWork:
+        op, works, posts = self._op(opts), [], []
+        for out, ins in zip(outputs, inputs):
+            src = _flat_cat(ins)
+            counts = [t.numel() for t in ins]
+            buf, back = self._contig(out)
+            works.append(self.comm.reduce_scatter(src, out=buf, op=op, counts=counts, async_op=True))
+            posts.append(back)
+        return PycollWork(works, outputs, self._chain(*posts))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PycollWork:
+        src = input if input.is_contiguous() else input.contiguous()
+        buf, back = self._contig(output)
+        work = self.comm.reduce_scatter(src, out=buf, op=self._op(opts), async_op=True)
+        return PycollWork([work], [output], back)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any) -> PycollWork:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._join(works, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement --------------------------------------------------------------------------
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
+        works, posts = [], []
+        for t in tensors:
+            buf, back = self._contig(t)
+            works.append(self.comm.broadcast(buf, root=opts.rootRank, async_op=True))
+            posts.append(back)
+        return PycollWork(works, tensors, self._chain(*posts))
+
+    def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                  opts: Any = None) -> PycollWork:
+        works, posts = [], []
+        for outs, inp in zip(outputs, inputs):
+            src = inp if inp.is_contiguous() else inp.contiguous()
+            counts = [o.numel() for o in outs]
+            gathered = torch.empty(sum(counts), dtype=inp.dtype)
+            if len(set(counts)) == 1:
+                works.append(self.comm.allgather(src, out=gathered, async_op=True))
+            else:
+                works.append(self.comm.allgatherv(src, counts, out=gathered, async_op=True))
+            posts.append(self._scatter_into(gathered, outs))
+        return PycollWork(works, [o for outs in outputs for o in outs], self._chain(*posts))
+
+    @staticmethod
+    def _scatter_into(flat: torch.Tensor, outs: List[torch.Tensor]) -> Callable[[], None]:
+        def copy() -> None:
+            for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs):
+                o.copy_(piece.view(o.shape))
+        return copy
+
+    def allgather_coalesced(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                            opts: Any = None) -> PycollWork:
+        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs)]
+        return self._join(works, [o for outs in outputs for o in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PycollWork:
+        src = input if input.is_contiguous() else input.contiguous()
+        buf, back = self._contig(output)
+        work = self.comm.allgather(src, out=buf, async_op=True)
+        return PycollWork([work], [output], back)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> PycollWork:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._join(works, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _join(self, works: List[PycollWork], outputs: List[torch.Tensor]) -> PycollWork:
+        """One Work over several of ours (each already queued in order on the communicator)."""
+        inner = [_Done(w) for w in works]
+        return PycollWork(inner, outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Optional[List[int]], input_split_sizes: Optional[List[int]],
+                          opts: Any = None) -> PycollWork:
+        src = input if input.is_contiguous() else input.contiguous()
+        buf, back = self._contig(output)
+        if not output_split_sizes and not input_split_sizes:
+            work = self.comm.alltoall(src, out=buf, async_op=True)
+        else:
+            n = self.comm.size
+            in_row = src.numel() // max(src.shape[0], 1) if src.dim() else 1
+            out_row = buf.numel() // max(buf.shape[0], 1) if buf.dim() else 1
+            sc = [s * in_row for s in input_split_sizes] if input_split_sizes else [src.numel() // n] * n
+            rc = [s * out_row for s in output_split_sizes] if output_split_sizes else [buf.numel() // n] * n
+            work = self.comm.alltoallv(src, sc, rc, out=buf, async_op=True)
+        return PycollWork([work], [output], back)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None) -> PycollWork:
+        src = _flat_cat(inputs)
+        sc, rc = [t.numel() for t in inputs], [t.numel() for t in outputs]
+        gathered = torch.empty(sum(rc), dtype=src.dtype)
+        work = self.comm.alltoallv(src, sc, rc, out=gathered, async_op=True)
+        return PycollWork([work], outputs, self._scatter_into(gathered, outputs))
+
+    def gather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> PycollWork:
+        root, inp = opts.rootRank, inputs[0]
+        src = inp if inp.is_contiguous() else inp.contiguous()
+        if self.comm.rank == root:
+            gathered = torch.empty(self.comm.size * src.numel(), dtype=src.dtype)
+            work = self.comm.gather(src, root=root, out=gathered, async_op=True)
+            return PycollWork([work], outputs[0], self._scatter_into(gathered, outputs[0]))
+        return PycollWork([self.comm.gather(src, root=root, async_op=True)], [])
+
+    def scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any) -> PycollWork:
+        root = opts.rootRank
+        buf, back = self._contig(outputs[0])
+        src = _flat_cat(inputs[0]).to(buf.dtype) if self.comm.rank == root else None
+        work = self.comm.scatter(src, root=root, out=buf, async_op=True)
+        return PycollWork([work], outputs, back)
+
+    def barrier(self, opts: Any = None) -> PycollWork:
+        return PycollWork([self.comm.barrier(async_op=True)], [])
+
+    # -- point to point -------------------------------------------------------------------------
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> PycollWork:
+        works = [self.comm.isend(t if t.is_contiguous() else t.contiguous(), dst, tag) for t in tensors]
+        return PycollWork(works, tensors)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> PycollWork:
+        works, posts = [], []
+        for t in tensors:
+            buf, back = self._contig(t)
+            works.append(self.comm.irecv(buf, src, tag))
+            posts.append(back)
+        return PycollWork(works, tensors, self._chain(*posts))
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.comm.close()
+
+    def abort(self) -> None:
+        self.comm.close()
+
+
+class _Done:
+    """Adapts a PycollWork to what PycollWork expects of its parts (get_future(), result())."""
+
+    def __init__(self, work: PycollWork) -> None:
+        self._work = work
+
+    def get_future(self) -> "concurrent.futures.Future[Any]":
+        return self._work._done
+
+    def result(self) -> Any:
+        return self._work._done.result()
+
+
+def create(store: "dist.Store", rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupPycoll:
+    """The backend creator torch calls (once per process group): rendezvous through torch's store
+    (already namespaced per group), connect pycoll's transport, and wrap the Communicator."""
+    settings = config.load()
+    seconds = timeout.total_seconds() if timeout is not None else settings["PYCOLL_TIMEOUT"]
+    env = dict(os.environ)
+    if not env.get("MASTER_ADDR"):  # init_method=tcp:// or a store of the user's: say where the store is
+        host = getattr(getattr(store, "underlying_store", store), "host", None)
+        env["MASTER_ADDR"] = host or "127.0.0.1"
+        env.pop("MASTER_PORT", None)
+    job = discover(rank, size, env)
+    comm = connect(job, C10dStore(store, seconds), settings["PYCOLL_TRANSPORT"], seconds)
+    return ProcessGroupPycoll(comm, rank, size)
+
+
+dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
