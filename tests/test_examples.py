@@ -78,6 +78,24 @@ def test_torch_ddp_style_matches_single_process_training():
         assert float(m.group(2)) < 1e-10
 
 
+@pytest.mark.timeout(110)
+def test_torch_ddp_on_pycoll_matches_gloo():
+    """examples/torch_ddp.py under torchrun: it learns, and at two ranks the pycoll and gloo runs end
+    with the same parameters bit for bit (the digest) on every rank."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    digests = {}
+    for backend in ("pycoll", "gloo"):
+        out = succeeded(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "2", "examples/torch_ddp.py", "--backend", backend, "--epochs", "2"], timeout=50))
+        found = per_rank(rf"\[{backend}\] rank (\d)/2: parameters sha256 ([0-9a-f]+), test accuracy ([\d.]+)",
+                         out, 2)
+        assert len({m.group(2) for m in found}) == 1, out  # the replicas agree
+        assert float(found[0].group(3)) > 0.85, out
+        digests[backend] = found[0].group(2)
+    assert digests["pycoll"] == digests["gloo"], digests
+
+
 @pytest.mark.timeout(60)
 def test_torch_ddp_style_without_torch_skips_gracefully(tmp_path):
     (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")  # shadows the real torch
