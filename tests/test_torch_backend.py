@@ -174,6 +174,44 @@ def _all_methods(rank, size, path):
             theirs = [torch.full((rank + 1,), 10 * i + rank, dtype=torch.int32) for i in range(size)]
         chk.same("all_to_all list", a2a_list(pg), theirs)
 
+    # uneven all_gather (gloo has none: the expected values directly), coalesced calls, objects,
+    # functional collectives (they find the group by name) and the coalescing manager
+    outs = [torch.empty(i + 1, dtype=torch.int64) for i in range(size)]
+    dist.all_gather(outs, torch.full((rank + 1,), rank, dtype=torch.int64), group=pg)
+    chk.same("all_gather uneven", outs, [torch.full((i + 1,), i, dtype=torch.int64) for i in range(size)])
+
+    def coalesced(group):
+        ts = [_data(rank, (3,), "float32"), _data(rank, (5,), "float32", salt=3)]
+        dist.all_reduce_coalesced(ts, op=dist.ReduceOp.MAX, group=group)
+        return ts
+    chk.same("all_reduce_coalesced", *both(coalesced))
+    objs = [None] * size
+    dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"}, group=pg)
+    chk.checks += 1
+    if objs != [{"rank": i, "name": f"r{i}"} for i in range(size)]:
+        chk.failures.append(f"all_gather_object: {objs}")
+    sent = [rank, "x", {"from": rank}]
+    dist.broadcast_object_list(sent, src=size - 1, group=pg)
+    chk.checks += 1
+    if sent != [size - 1, "x", {"from": size - 1}]:
+        chk.failures.append(f"broadcast_object_list: {sent}")
+    import torch.distributed._functional_collectives as fc
+    assert pg.group_name and pg.group_name != gloo.group_name
+    v = _data(rank, (size * 2,), "float32")
+    for what, fn in (("functional all_reduce", lambda grp: fc.all_reduce(v, "sum", grp)),
+                     ("functional all_gather_tensor", lambda grp: fc.all_gather_tensor(v, 0, grp)),
+                     ("functional reduce_scatter_tensor", lambda grp: fc.reduce_scatter_tensor(v, "sum", 0, grp))):
+        chk.same(what, *both(lambda grp: [fc.wait_tensor(fn(grp))]))
+
+    def coalescing_manager(group):
+        a, b = torch.empty(2 * size), torch.empty(2 * size)
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            dist.all_gather_into_tensor(a, torch.ones(2) * rank, group=group)
+            dist.all_gather_into_tensor(b, torch.ones(2) * (rank + 5), group=group)
+        cm.wait()
+        return [a, b]
+    chk.same("coalescing manager all_gather_into_tensor", *both(coalescing_manager))
+
     # point to point: a ring with tags, isend/irecv, and a blocking pair
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     for group, name in ((pg, "pycoll"), (gloo, "gloo")):
@@ -209,7 +247,7 @@ def test_every_method_matches_gloo(size, tmp_path):
     reports = run_ranks(_all_methods, size, size, str(tmp_path / "store"), init=False, timeout=110)
     for rank, rep in enumerate(reports):
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
-        assert rep["checks"] >= 69  # every call above ran and was compared
+        assert rep["checks"] >= 76  # every call above ran and was compared
     if size == 2:  # two-rank sums have one order: bit-identical
         assert all(r["inexact"] == [] for r in reports), reports
 
