@@ -51,8 +51,8 @@ def test_transport_verbs_without_a_device_is_a_clear_error():
 
 # -- on a device (the soft-RoCE VM) -----------------------------------------------------------
 def _eager_max():
-    from pycoll.transports.verbs import EAGER_MAX
-    return EAGER_MAX
+    from pycoll.transports.verbs import eager_max
+    return eager_max()
 
 
 def _sizes():

@@ -51,6 +51,11 @@ _BYE_WAIT = 0.5    # close(): how long to wait for peers closing at the same mom
 
 TRAILER = struct.Struct("<BxxxIIIIQ4x")  # op, credits returned, message id, rkey, chunk, address
 PREFIX = wire.HEADER.size + TRAILER.size
+
+
+def eager_max() -> int:
+    """The largest payload sent eagerly (in a receive slot) under the current PYCOLL_VERBS_SLOT."""
+    return config.get("PYCOLL_VERBS_SLOT") - PREFIX
 OP_EAGER, OP_RTS, OP_CTS, OP_NACK, OP_CREDIT, OP_HELLO, OP_BYE = range(7)
 _DATA, _CONTROL = 2, 1  # credits a message needs: data keeps the last one for CREDIT/BYE
 _RECV_BIT = 1 << 62
@@ -117,7 +122,7 @@ class VerbsTransport(Transport):
         self.capabilities[SinkReceive] = SinkReceive()
         self._pv = pv = load_pyverbs()
         self._slot = config.get("PYCOLL_VERBS_SLOT")        # bytes per receive slot: the eager limit
-        self._eager_max = self._slot - PREFIX
+        self._eager_max = eager_max()
         self._credits = credits = config.get("PYCOLL_VERBS_CREDITS")  # receive slots per peer
         self._spin_s = config.get("PYCOLL_VERBS_SPIN_US") * 1e-6  # CQ polling before blocking on the channel
         self._ack_timeout = config.get("PYCOLL_VERBS_ACK_TIMEOUT")  # 4.096 us * 2**n per try, 6 retries
