@@ -378,3 +378,40 @@ def test_import_pycoll_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def _timeouts(rank, size, path):
+    import datetime
+    import time
+    import pycoll
+    dist, _ = _join(rank, size, path)
+    pg = dist.new_group(backend="pycoll", timeout=datetime.timedelta(seconds=3))
+    seen = {}
+    if rank == 0:
+        x = torch.ones(8)
+        work = dist.all_reduce(x, group=pg, async_op=True)
+        try:  # wait(timeout) gives up on the handle, not the collective
+            work.wait(datetime.timedelta(seconds=0.2))
+        except pycoll.TimeoutError:
+            seen["short wait"] = "TimeoutError"
+        work.wait()
+        seen["then"] = x.tolist()
+        start = time.monotonic()
+        late = dist.all_reduce(torch.ones(8), group=pg, async_op=True)  # rank 1 never joins this one
+        try:
+            late.wait()
+        except pycoll.TimeoutError as e:
+            seen["group timeout"] = (round(time.monotonic() - start, 1), "rank 1" in str(e))
+    else:
+        time.sleep(1.0)
+        dist.all_reduce(torch.ones(8), group=pg)
+        time.sleep(6)  # stays alive, silent, past rank 0's group timeout
+    return seen
+
+
+def test_wait_timeout_and_group_timeout():
+    with tempfile.TemporaryDirectory() as d:
+        got = run_ranks(_timeouts, 2, 2, os.path.join(d, "store"), init=False, timeout=60)
+    assert got[0]["short wait"] == "TimeoutError" and got[0]["then"] == [2.0] * 8, got
+    seconds, names_peer = got[0]["group timeout"]
+    assert 2.5 <= seconds < 10 and names_peer, got
