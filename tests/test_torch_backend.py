@@ -415,3 +415,44 @@ def test_wait_timeout_and_group_timeout():
     assert got[0]["short wait"] == "TimeoutError" and got[0]["then"] == [2.0] * 8, got
     seconds, names_peer = got[0]["group timeout"]
     assert 2.5 <= seconds < 10 and names_peer, got
+
+
+def _subgroups(rank, size, port):
+    """new_group on a pycoll world: children of the world's communicator on its connections."""
+    import time
+    for k in ("MASTER_ADDR", "MASTER_PORT", "PYCOLL_JOB_TOKEN", "PYCOLL_STORE_HOSTED"):
+        os.environ.pop(k, None)
+    import torch.distributed as dist
+    import pycoll.torch  # noqa: F401
+    dist.init_process_group("pycoll", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    world = dist.group.WORLD  # a Python ProcessGroup is the group itself
+    assert isinstance(world, pycoll.torch.ProcessGroupPycoll)
+    start = time.monotonic()
+    layouts = [list(range(size)), [0, 2], [1, 2], [0, 1]]
+    groups = [dist.new_group(ranks) for ranks in layouts]  # every rank creates every group, in order
+    seconds = time.monotonic() - start
+    sums = []
+    for ranks, group in zip(layouts, groups):
+        if rank not in ranks:
+            continue
+        ours = group
+        assert isinstance(ours, pycoll.torch.ProcessGroupPycoll)
+        assert ours.comm.transport is world.comm.transport and ours.comm is not world.comm
+        assert dist.get_rank(group) == ranks.index(rank)
+        t = torch.full((5,), float(rank + 1), dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        b = torch.full((3,), float(rank))
+        dist.broadcast(b, src=ranks[-1], group=group)  # src is a global rank
+        assert b.tolist() == [float(ranks[-1])] * 3
+        sums.append((ranks, t[0].item()))
+    dist.all_reduce(torch.ones(1))  # the world still works after its children
+    dist.destroy_process_group()
+    return sums, seconds
+
+
+def test_new_group_reuses_the_worlds_connections():
+    out = run_ranks(_subgroups, 3, 3, _free_port(), init=False, timeout=60)
+    for rank, (sums, seconds) in enumerate(out):
+        expect = [(r, float(sum(m + 1 for m in r))) for r in ([0, 1, 2], [0, 2], [1, 2], [0, 1]) if rank in r]
+        assert sums == expect, (rank, sums)
+    print(f"4 subgroups created in {max(s for _, s in out):.3f} s")

@@ -367,19 +367,43 @@ class _Done:
         return self._work._done.result()
 
 
-def create(store: "dist.Store", rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupPycoll:
-    """The backend creator torch calls (once per process group): rendezvous through torch's store
-    (already namespaced per group), connect pycoll's transport, and wrap the Communicator."""
-    settings = config.load()
-    seconds = timeout.total_seconds() if timeout is not None else settings["PYCOLL_TIMEOUT"]
+_world: Optional[Communicator] = None  # the default group's communicator, when the default is pycoll
+
+
+def create(opts: Any, backend_options: Any = None) -> ProcessGroupPycoll:
+    """The backend creator torch calls (extended API) once per process group on its members.
+
+    The default group rendezvouses through torch's store (already namespaced per group) and
+    connects pycoll's transport; a later group over the default group's ranks is a child of that
+    communicator on the same connections (no rendezvous, no new sockets); a group made beside a
+    default group of another backend rendezvouses on its own."""
+    global _world
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    seconds = opts.timeout.total_seconds() if opts.timeout is not None else config.load()["PYCOLL_TIMEOUT"]
+    members = [int(r) for r in (opts.global_ranks_in_group or [])]
+    world = _world if dist.is_initialized() else None
+    if world is not None and not world.closed and members and world.size == dist.get_world_size():
+        comm = world._child(f"torch/{opts.group_id}", members)
+        comm.timeout = seconds
+        if comm.rank != rank:
+            raise RuntimeError(f"pycoll backend: group {opts.group_id} puts this process at rank {comm.rank}, "
+                               f"torch at {rank}")
+        return ProcessGroupPycoll(comm, rank, size)
+    comm = _rendezvous(opts.store, rank, size, seconds)
+    if not dist.is_initialized():
+        _world = comm
+    return ProcessGroupPycoll(comm, rank, size)
+
+
+def _rendezvous(store: "dist.Store", rank: int, size: int, seconds: float) -> Communicator:
+    """A communicator of its own over `store`, with pycoll.init(rank=, size=, store=)'s token rules."""
     env = dict(os.environ)
     if not env.get("MASTER_ADDR"):  # init_method=tcp:// or a store of the user's: say where the store is
         host = getattr(getattr(store, "underlying_store", store), "host", None)
         env["MASTER_ADDR"] = host or "127.0.0.1"
         env.pop("MASTER_PORT", None)
     job = discover(rank, size, env)
-    comm = connect(job, C10dStore(store, seconds), settings["PYCOLL_TRANSPORT"], seconds)
-    return ProcessGroupPycoll(comm, rank, size)
+    return connect(job, C10dStore(store, seconds), config.load()["PYCOLL_TRANSPORT"], seconds)
 
 
-dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])
