@@ -461,3 +461,38 @@ def test_new_group_reuses_the_worlds_connections():
         expect = [(r, float(sum(m + 1 for m in r))) for r in ([0, 1, 2], [0, 2], [1, 2], [0, 1]) if rank in r]
         assert sums == expect, (rank, sums)
     print(f"4 subgroups created in {max(s for _, s in out):.3f} s")
+
+
+_NEVER_IMPORTS_PYCOLL = r'''
+import sys, torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("pycoll", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+t = torch.full((4,), float(rank + 1))
+dist.all_reduce(t)
+print("RESULT", t.tolist(), "pycoll.torch" in sys.modules, flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_imports_pycoll_gets_the_backend_through_torchs_autoload():
+    """The `torch.backends` entry point names the backend at `import torch`; pycoll.torch loads with the
+    group; and a script that exits without destroy_process_group exits cleanly (rank 0 used to abort)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _NEVER_IMPORTS_PYCOLL, str(r), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "RESULT [3.0, 3.0, 3.0, 3.0] True" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_import_torch_stays_light_and_the_autoload_switch_turns_the_hook_off():
+    probe = ("import sys, torch, torch.distributed as dist; "
+             "print('pycoll' in dist.Backend.backend_list, 'zmq' in sys.modules, 'pycoll.torch' in sys.modules)")
+    on = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    off = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50,
+                         env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert on.stdout.split() == ["True", "False", "False"], on.stdout + on.stderr  # named, nothing heavy loaded
+    assert off.stdout.split() == ["False", "False", "False"], off.stdout + off.stderr

@@ -9,9 +9,11 @@ pycoll's error and whose get_future() gives the output tensors (DDP comm hooks u
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import os
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -24,8 +26,7 @@ from ..comm import Communicator
 from ..errors import TimeoutError
 from ..ops import ReduceOp
 from ..world import connect
-
-BACKEND = "pycoll"
+from ..torch_autoload import BACKEND
 
 _OPS = {
     dist.ReduceOp.RedOpType.SUM: ReduceOp.SUM, dist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
@@ -392,7 +393,19 @@ def create(opts: Any, backend_options: Any = None) -> ProcessGroupPycoll:
     comm = _rendezvous(opts.store, rank, size, seconds)
     if not dist.is_initialized():
         _world = comm
+    _opened.add(comm)
     return ProcessGroupPycoll(comm, rank, size)
+
+
+_opened: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # with transports of their own, closed at exit
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close what a script left open (no destroy_process_group) while the interpreter is whole: torch's
+    store must not be torn down under pycoll's threads (seen: std::terminate at exit on rank 0)."""
+    for comm in list(_opened):
+        comm.close()
 
 
 def _rendezvous(store: "dist.Store", rank: int, size: int, seconds: float) -> Communicator:
@@ -406,4 +419,5 @@ def _rendezvous(store: "dist.Store", rank: int, size: int, seconds: float) -> Co
     return connect(job, C10dStore(store, seconds), config.load()["PYCOLL_TRANSPORT"], seconds)
 
 
-dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])
+if BACKEND not in dist.Backend.backend_list:  # else torch's autoload did (pycoll/torch_autoload.py)
+    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])

@@ -1,0 +1,28 @@
+"""torch's `torch.backends` entry point: after `import torch`, `init_process_group("pycoll")` works in
+a script that never imports pycoll. It only names the backend; pycoll.torch (and the transports) load
+when the first group is created. It never makes `import torch` fail, and
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 (torch's own switch) keeps it from running at all."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("pycoll.torch")
+BACKEND = "pycoll"
+
+
+def register() -> None:
+    """Make backend "pycoll" known to torch.distributed, unless it is already (or torch lacks it)."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and BACKEND not in dist.Backend.backend_list:
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    except Exception as e:  # a broken hook must not break `import torch`
+        log.warning("pycoll: the torch backend was not registered at `import torch` (%s); "
+                    "`import pycoll.torch` registers it", e)
+
+
+def _create(*args: Any, **kwargs: Any) -> Any:
+    """The backend's factory, loaded on first use."""
+    from .torch import create
+    return create(*args, **kwargs)
