@@ -32,6 +32,7 @@ MAX_FRAME = 64 << 20  # larger length fields are hostile or broken: the connecti
 MAX_HELLO_FRAME = 1024  # a client's first frame, read before its token is checked: strangers get no more
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its whole first frame
 MAX_UNAUTHENTICATED = 64  # connections awaiting their first frame; a new one evicts the oldest
+EVICT_WAIT = 0.5  # s the accept loop waits for an evicted stranger's thread to end before serving more
 _WAIT_SLICE = 3600.0  # longest single condition wait: huge or infinite timeouts overflow the lock's limit
 _MAGIC = b"PYCS1"
 _U32 = struct.Struct("!I")
@@ -146,7 +147,8 @@ class TCPStoreServer:
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._conns: List[socket.socket] = []
-        self._pending: "OrderedDict[socket.socket, None]" = OrderedDict()  # awaiting their first frame
+        # connections awaiting their first frame -> the thread serving each
+        self._pending: "OrderedDict[socket.socket, threading.Thread]" = OrderedDict()
         self._pending_lock = threading.Lock()
         self.rejects = RateLimitedLog(log, "store: rejected clients")
         self._thread = threading.Thread(target=self._accept_loop, name="pycoll-store", daemon=True)
@@ -160,15 +162,18 @@ class TCPStoreServer:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.append(conn)
+            evicted = None
             with self._pending_lock:
                 if len(self._pending) >= MAX_UNAUTHENTICATED:
-                    oldest, _ = self._pending.popitem(last=False)
+                    oldest, evicted = self._pending.popitem(last=False)
                     _hang_up(oldest)  # its thread sees the connection close and ends
                     self.rejects.warning("store: dropped the oldest of %d connections still silent "
                                          "(a new one came in)", MAX_UNAUTHENTICATED)
-                self._pending[conn] = None
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name="pycoll-store-conn").start()
+                thread = self._pending[conn] = threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                                                                name="pycoll-store-conn")
+            if evicted is not None:  # a flood of strangers waits for their threads to end, not the CPU's mercy
+                evicted.join(EVICT_WAIT)
+            thread.start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
