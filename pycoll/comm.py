@@ -401,42 +401,35 @@ class Communicator:
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
         """Send `x` to rank `dst`; matched by (source, tag) in order, like MPI_Send."""
-        self._check_open("send")
-        arr = self._input(x, "send", writable=False)
-        peer = self._peer(dst, "dst", "send")
-        key, limit = self._p2p_key(tag, "send"), self._deadline(timeout, "send")
-        req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
-        self.transport.wait([req], limit, f"send to rank {peer} tag {tag} on {self.name}")
+        req, limit, what = self._post_p2p("send", x, dst, tag, timeout)
+        self.transport.wait([req], limit, what)
 
     def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Any:
         """Receive exactly `x`'s size and dtype from rank `src` into `x`; returns `x`."""
-        self._check_open("recv")
-        arr = self._input(x, "recv", writable=True)
-        peer = self._peer(src, "src", "recv")
-        key, limit = self._p2p_key(tag, "recv"), self._deadline(timeout, "recv")
-        req = self.transport.irecv(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
-        self.transport.wait([req], limit, f"recv from rank {peer} tag {tag} on {self.name}")
+        req, limit, what = self._post_p2p("recv", x, src, tag, timeout)
+        self.transport.wait([req], limit, what)
         return x
 
     def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
         """Start sending `x` to rank `dst` (posted now, so sends keep their call order); the Work
         completes when the send has. `x` must stay untouched until then."""
-        self._check_open("isend")
-        arr = self._input(x, "isend", writable=False)
-        peer = self._peer(dst, "dst", "isend")
-        key, limit = self._p2p_key(tag, "isend"), self._deadline(timeout, "isend")
-        req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
-        return self._p2p_work(req, limit, f"isend to rank {peer} tag {tag} on {self.name}", None)
+        return self._p2p_work(*self._post_p2p("isend", x, dst, tag, timeout), None)
 
     def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
         """Post a receive of exactly `x`'s size and dtype from rank `src` into `x`; the Work's
         result is `x` once it has arrived."""
-        self._check_open("irecv")
-        arr = self._input(x, "irecv", writable=True)
-        peer = self._peer(src, "src", "irecv")
-        key, limit = self._p2p_key(tag, "irecv"), self._deadline(timeout, "irecv")
-        req = self.transport.irecv(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
-        return self._p2p_work(req, limit, f"irecv from rank {peer} tag {tag} on {self.name}", x)
+        return self._p2p_work(*self._post_p2p("irecv", x, src, tag, timeout), x)
+
+    def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]) -> Tuple[Any, float, str]:
+        """Validate a point-to-point call and post it: (request, its deadline in s, what it is called)."""
+        self._check_open(call)
+        sending = call.endswith("send")
+        arr = self._input(x, call, writable=not sending)
+        peer = self._peer(peer, "dst" if sending else "src", call)
+        key, limit = self._p2p_key(tag, call), self._deadline(timeout, call)
+        post = self.transport.isend if sending else self.transport.irecv
+        req = post(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        return req, limit, f"{call} {'to' if sending else 'from'} rank {peer} tag {tag} on {self.name}"
 
     def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> Work:
         """A Work finishing when the posted request `req` does, waited for on the p2p worker (in
