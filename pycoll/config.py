@@ -181,8 +181,15 @@ _VARS = [
         "largest message of the ring algorithms' pipeline and of halving-doubling's exchanges"),
     # -- set by launchers --------------------------------------------------------------------
     Var("PYCOLL_JOB_TOKEN", HEX, None,
-        "hex secret shared by all ranks (set by `pycoll run`; on several nodes export the same on each)",
-        secret=True),
+        "hex secret shared by all ranks (set by `pycoll run`; on several nodes export the same on each); "
+        "it never goes into the store (docs/security.md)", secret=True),
+    Var("PYCOLL_JOB_TOKEN_FILE", PATH, None,
+        "a file holding the hex job token, e.g. on a shared file system; refused unless only its owner "
+        "can read it (`chmod 600`); `PYCOLL_JOB_TOKEN` wins"),
+    Var("PYCOLL_INSECURE", FLAG, "0",
+        "`1`: a multi-host job with no shared secret (no token, token file, `pycoll run` or mpirun) passes "
+        "its token through the rendezvous store, so anyone who reaches the store can join; every rank "
+        "warns. `0`: such a job is refused"),
     Var("PYCOLL_STORE_HOSTED", FLAG, "0",
         "`1`: the launcher serves the rendezvous store, so rank 0 does not (set by `pycoll run`)"),
     # -- the test harness only ---------------------------------------------------------------

@@ -8,6 +8,7 @@ from . import config
 from .bootstrap.env import JobEnv, discover
 from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
 from .bootstrap.store import PrefixStore, Store
+from .bootstrap.token import remove_private
 from .comm import Communicator
 from .errors import EnvError
 from .transports import create_transport
@@ -30,7 +31,10 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     if store is not None and rank is None:
         raise EnvError("init(store=...) also needs rank= and size=")
     job = discover(rank, size)
-    base = store if store is not None else make_store(job, timeout)
+    if store is None:
+        base, job = make_store(job, timeout)
+    else:
+        base = store
     ns = PrefixStore(f"pycoll/{next(_generation)}", base)
     comm = connect(job, ns, transport or settings["PYCOLL_TRANSPORT"], timeout,
                    owned_store=base if store is None else None)
@@ -44,7 +48,7 @@ def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_sto
     transport and calibrate: the world communicator of init() and of the torch backend (pycoll.torch).
     `owned_store` is closed with the communicator."""
     membership = join(ns, job.rank, job.size, timeout)
-    token = job_token(ns, job, timeout)
+    token, token_file = job_token(ns, job, membership, timeout)
     single_host = membership.local_size == job.size
     address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
     tr = create_transport(transport, job.rank, job.size, address, membership.hosts)
@@ -53,6 +57,8 @@ def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_sto
     except BaseException:
         tr.close()
         raise
+    finally:  # connected: every peer has proved it holds the token, so rank 0's file has done its job
+        remove_private(token_file)
     comm = Communicator(tr, range(job.size), job.rank, name, membership, timeout,
                         store=owned_store, owns_transport=True)
     try:

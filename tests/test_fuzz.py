@@ -30,7 +30,9 @@ STORE_INPUTS = 4000       # to the store server (a connection each: ~1.3 ms an i
 TRANSPORT_INPUTS = 16000  # to a live rank's ROUTER (~50 us an input); issue #7 asks for 10,000 in all
 STALL = 10.0              # seconds any single reply, hang-up or collective may take
 TOKEN = b"fuzzing-the-store"  # fixed, like the seeds: the same inputs every run
-HELLO = proto._encode(proto.OP_HELLO, proto._MAGIC, TOKEN)  # the store's valid handshake
+# the store's valid answer to its challenge: made for an all-zero nonce here; _store_exchange puts the
+# answer to the connection's real nonce in place of each intact copy (a mutated one stays garbage)
+HELLO = proto._encode(proto.OP_HELLO, proto._MAGIC, proto.store_mac(TOKEN, bytes(proto.NONCE_BYTES)))
 _U32, _F64 = struct.Struct("!I"), struct.Struct("!d")
 T = TypeVar("T")
 
@@ -117,6 +119,10 @@ def _store_exchange(port: int, data: bytes) -> List[bytes]:
     """Send `data`, half-close, and collect every reply until the server hangs up (within STALL s)."""
     got = b""
     with socket.create_connection(("127.0.0.1", port), timeout=STALL) as s:
+        challenge = proto._recv_frame(s)  # the server speaks first: ST_OK | magic | nonce
+        assert challenge[0] == proto.ST_OK, challenge
+        nonce = proto._decode_fields(challenge[1:])[1]
+        data = data.replace(HELLO, proto._encode(proto.OP_HELLO, proto._MAGIC, proto.store_mac(TOKEN, nonce)))
         try:
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)
@@ -180,6 +186,7 @@ def test_store_drops_an_oversized_first_frame_at_once(quiet):
     try:
         for claim in (proto.MAX_HELLO_FRAME + 1, proto.MAX_FRAME, 2 ** 32 - 1):
             with socket.create_connection(("127.0.0.1", srv.port), timeout=STALL) as s:
+                proto._recv_frame(s)  # the server's challenge
                 s.sendall(_U32.pack(claim) + b"\x01")  # and keep the connection open
                 t0 = time.monotonic()
                 assert _hung_up(s) and time.monotonic() - t0 < 2, claim

@@ -7,6 +7,7 @@ from typing import Mapping, Optional
 
 from .. import config
 from ..errors import EnvError
+from .token import env_token
 
 # (source name, rank variable, size variable, local rank variable, local size variable)
 _LAUNCHERS = [
@@ -31,7 +32,8 @@ class JobEnv:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     store_hosted: bool = False       # the launcher serves the store, so rank 0 must not
-    token: Optional[bytes] = None    # PYCOLL_JOB_TOKEN, shared by the launcher
+    token: Optional[bytes] = None    # PYCOLL_JOB_TOKEN or _FILE, or agreed before the store (bootstrap/token.py)
+    token_file: Optional[str] = None  # rank 0: the private token file to remove once every peer connected
 
 
 def _int(env: Mapping[str, str], name: str, value: Optional[str] = None) -> int:
@@ -79,7 +81,7 @@ def discover(rank: Optional[int] = None, size: Optional[int] = None,
     port = _int(env, "MASTER_PORT") if port_raw is not None else (29500 if addr else None)
     if port is not None and not 0 <= port < 65536:
         raise EnvError(f"MASTER_PORT={port} is not a TCP port")
-    token = config.get("PYCOLL_JOB_TOKEN", env)
+    token = env_token(env)
     if size > 1 and addr is None and source not in MPI_SOURCES:
         raise EnvError(f"rank {rank} of {size} (from {source}) has no rendezvous: set MASTER_ADDR and "
                        "MASTER_PORT, pass store= to pycoll.init, or run under mpirun with mpi4py installed")

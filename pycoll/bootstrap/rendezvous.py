@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import ipaddress
-import secrets
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass, field, replace
+from typing import List, Optional, Tuple
 
 from ..errors import EnvError, TimeoutError
 from ..topology import RankInfo, detect, host_id  # noqa: F401  (host_id: re-exported)
 from .env import MPI_SOURCES, JobEnv
+from . import token as token_mod
 from .netif import select_address
 from .store import Store, TCPStore
 
@@ -26,51 +26,61 @@ def is_loopback(host: Optional[str]) -> bool:
         return False
 
 
-def make_store(job: JobEnv, timeout: float) -> Store:
-    """The job's TCPStore: at MASTER_ADDR:MASTER_PORT, or published by rank 0 over MPI under mpirun."""
+def make_store(job: JobEnv, timeout: float) -> Tuple[Store, JobEnv]:
+    """The job's TCPStore (at MASTER_ADDR:MASTER_PORT, or published by rank 0 over MPI under mpirun) and
+    the job with the token it agreed on, when one could be had before the store: from the environment,
+    over MPI, or (store on loopback) through a file private to the uid. The store then demands it."""
+    if job.token is None and job.size > 1:
+        job = replace(job, token=token_mod.mpi_token(job.rank, job.size, job.source))
     if job.master_addr is not None:
-        bind = "127.0.0.1" if is_loopback(job.master_addr) else "0.0.0.0"
-        return TCPStore(job.master_addr, job.master_port or 0,
-                        is_master=job.rank == 0 and not job.store_hosted,
-                        token=job.token, timeout=timeout, bind_host=bind)
+        loopback = is_loopback(job.master_addr)
+        bind = "127.0.0.1" if loopback else "0.0.0.0"
+        master = job.rank == 0 and not job.store_hosted
+        if job.token is None and loopback and not job.store_hosted and job.size > 1 and job.master_port:
+            if not master:
+                store, token = token_mod.loopback_store_client(job.master_addr, job.master_port, timeout)
+                return store, replace(job, token=token)
+            token = token_mod.draw()
+            store = TCPStore(job.master_addr, job.master_port, is_master=True, token=token, timeout=timeout,
+                             bind_host=bind)  # bound first: a busy port leaves another job's file alone
+            path = token_mod.write_private(token_mod.port_file(store.port), token)
+            return store, replace(job, token=token, token_file=path)
+        return TCPStore(job.master_addr, job.master_port or 0, is_master=master,
+                        token=job.token, timeout=timeout, bind_host=bind), job
     if job.size == 1:
+        job = replace(job, token=job.token or token_mod.draw())
         return TCPStore("127.0.0.1", 0, is_master=True, token=job.token, timeout=timeout,
-                        bind_host="127.0.0.1")
+                        bind_host="127.0.0.1"), job
     if job.source in MPI_SOURCES:
-        return _store_over_mpi(job, timeout)
+        if job.token is None:
+            raise EnvError(f"rank {job.rank} of {job.size} runs under an MPI launcher ({job.source}) with no "
+                           "MASTER_ADDR, and mpi4py is not installed: `pip install pycoll[mpi]` or set "
+                           "MASTER_ADDR/MASTER_PORT")
+        return _store_over_mpi(job, timeout), job
     raise EnvError(f"rank {job.rank}: no way to reach the rendezvous store (no MASTER_ADDR)")
 
 
 def _store_over_mpi(job: JobEnv, timeout: float) -> Store:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise EnvError(f"rank {job.rank} of {job.size} runs under an MPI launcher ({job.source}) with no "
-                       "MASTER_ADDR, and mpi4py is not installed: `pip install pycoll[mpi]` or set "
-                       "MASTER_ADDR/MASTER_PORT") from None
+    from mpi4py import MPI
     world = MPI.COMM_WORLD
     single_host = job.local_size == job.size
     info = None
     if job.rank == 0:
         addr = "127.0.0.1" if single_host else select_address()[1]
-        token = job.token or secrets.token_bytes(32)
-        store = TCPStore(addr, 0, is_master=True, token=token, timeout=timeout, bind_host=addr)
-        info = (addr, store.port, token.hex())
+        store = TCPStore(addr, 0, is_master=True, token=job.token, timeout=timeout, bind_host=addr)
+        info = (addr, store.port)  # no secret: every rank already holds the token (token.mpi_token)
     info = world.bcast(info, root=0)
     if job.rank == 0:
         return store
-    return TCPStore(info[0], info[1], token=bytes.fromhex(info[2]), timeout=timeout)
+    return TCPStore(info[0], info[1], token=job.token, timeout=timeout)
 
 
-def job_token(store: Store, job: JobEnv, timeout: float) -> bytes:
-    """The secret every peer proves it holds: from the launcher, else drawn by rank 0."""
+def job_token(store: Store, job: JobEnv, membership: "Membership", timeout: float) -> Tuple[bytes, Optional[str]]:
+    """The secret every peer proves it holds, and a file rank 0 removes once all peers connected:
+    bootstrap/token.py's sources, in order. It is never written to the store (PYCOLL_INSECURE=1 aside)."""
     if job.token is not None:
-        return job.token
-    if job.rank == 0:
-        token = secrets.token_bytes(32)
-        store.set("token", token)
-        return token
-    return store.get("token", timeout)
+        return job.token, job.token_file
+    return token_mod.agree(store, job.rank, job.size, job.source, membership.local_size, timeout)
 
 
 @dataclass

@@ -2,17 +2,20 @@
 
 The TCP protocol is length-prefixed binary with no pickle: a request is one frame
 `u32 length | op byte | fields`, each field `u32 length | bytes`; a reply is one frame
-`status byte | fields`. Clients prove they know the job token in their first frame, within
-HANDSHAKE_TIMEOUT seconds; at most MAX_UNAUTHENTICATED connections wait for theirs (a new one
+`status byte | fields`. The server opens each connection with a challenge (`ST_OK | magic | nonce`);
+the client's first frame answers it with HMAC(job token, nonce) within HANDSHAKE_TIMEOUT seconds,
+so the token never crosses the wire and a captured answer is worthless on any other connection; at most MAX_UNAUTHENTICATED connections wait for theirs (a new one
 evicts the oldest), so strangers cannot pin the server's threads. Rejections are logged
 rate-limited (pycoll.logutil).
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import hmac
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -34,13 +37,25 @@ HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its whole first 
 MAX_UNAUTHENTICATED = 64  # connections awaiting their first frame; a new one evicts the oldest
 EVICT_WAIT = 0.5  # s the accept loop waits for an evicted stranger's thread to end before serving more
 _WAIT_SLICE = 3600.0  # longest single condition wait: huge or infinite timeouts overflow the lock's limit
-_MAGIC = b"PYCS1"
+_MAGIC = b"PYCS2"  # 2: challenge-response hello (1 sent the token itself)
+NONCE_BYTES = 16
 _U32 = struct.Struct("!I")
 _I64 = struct.Struct("!q")
 _F64 = struct.Struct("!d")
 
 (OP_HELLO, OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS) = range(1, 9)
 ST_OK, ST_MISSING, ST_DENIED, ST_BAD = range(4)
+
+
+def store_mac(token: bytes, nonce: bytes) -> bytes:
+    """A client's answer to the server's challenge: proof it holds `token`, good for this nonce only."""
+    return hmac.new(token, b"pycoll-store" + nonce, hashlib.sha256).digest()
+
+
+def challenge_frame(nonce: bytes) -> bytes:
+    """The server's first frame on every connection."""
+    body = bytes([ST_OK]) + _U32.pack(len(_MAGIC)) + _MAGIC + _U32.pack(len(nonce)) + nonce
+    return _U32.pack(len(body)) + body
 
 
 class Store(ABC):
@@ -192,13 +207,15 @@ class TCPStoreServer:
             self._conns.remove(conn)
 
     def _handshake(self, conn: socket.socket, addr) -> bool:
-        """Read the first frame within HANDSHAKE_TIMEOUT s and answer it; True for a job member."""
+        """Challenge the client, read its answer within HANDSHAKE_TIMEOUT s and reply; True for a job member."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
         try:
+            conn.sendall(challenge_frame(nonce))
             body = _recv_frame(conn, MAX_HELLO_FRAME, time.monotonic() + HANDSHAKE_TIMEOUT)
             fields = _decode_fields(body[1:])
             ok = body[0] == OP_HELLO and len(fields) == 2 and fields[0] == _MAGIC
             if ok and self._token is not None:
-                ok = hmac.compare_digest(fields[1], self._token)
+                ok = hmac.compare_digest(fields[1], store_mac(self._token, nonce))
         except (ValueError, IndexError, socket.timeout) as e:
             self.rejects.warning("store: rejected client %s: bad handshake (%s)", addr, e)
             return False
@@ -308,7 +325,14 @@ class TCPStore(Store):
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=min(5.0, self.timeout))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(_encode(OP_HELLO, _MAGIC, token))
+                sock.settimeout(min(HANDSHAKE_TIMEOUT, self.timeout))
+                challenge = _recv_frame(sock, MAX_HELLO_FRAME)
+                fields = _decode_fields(challenge[1:])
+                if challenge[0] != ST_OK or len(fields) != 2 or fields[0] != _MAGIC:
+                    sock.close()
+                    raise StoreError(f"{self.host}:{self.port} is not a pycoll rendezvous store of this "
+                                     "version (no challenge)")
+                sock.sendall(_encode(OP_HELLO, _MAGIC, store_mac(token, fields[1]) if token else b""))
                 status = _recv_frame(sock)[0]
                 if status == ST_DENIED:
                     sock.close()

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Dict, List, Optional
+from typing import IO, Dict, List
 
-from .. import config
 from ..bootstrap.store import TCPStoreServer
+from ..bootstrap.token import draw, env_token
 from ..errors import EnvError, StoreError
 
 MULTINODE_PORT = 29500  # the default master port when other nodes must know it in advance
@@ -74,8 +73,7 @@ def main(argv: List[str]) -> int:
     if args.node_rank == 0:
         host = "::" if ":" in args.master_addr else "0.0.0.0"
         try:
-            server = TCPStoreServer(host=host, port=port,
-                                    token=bytes.fromhex(token) if token is not None else None)
+            server = TCPStoreServer(host=host, port=port, token=bytes.fromhex(token))
         except StoreError as e:
             _say(str(e))
             return 1
@@ -119,26 +117,33 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[
     return [args.target, *args.args]
 
 
-def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[str]:
-    """The hex job token the store demands; several nodes must share it, so it comes from env."""
-    if args.nnodes == 1:
-        return secrets.token_bytes(32).hex()
+def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The hex job token the store demands and every rank gets. One node: drawn here (or the one in the
+    environment). Several nodes must share it: PYCOLL_JOB_TOKEN or PYCOLL_JOB_TOKEN_FILE; node 0 draws
+    one if neither is set and prints how to start the others; the others refuse to start without one."""
     try:
-        token = config.get("PYCOLL_JOB_TOKEN")
+        token = env_token()
     except EnvError as e:
         parser.error(str(e))
-    if token is None:
-        _say("warning: PYCOLL_JOB_TOKEN is not set, so node 0's store admits any client; "
-             "export the same secret (e.g. `openssl rand -hex 32`) on every node")
-        return None
+    if token is not None:
+        return token.hex()
+    if args.nnodes > 1 and args.node_rank > 0:
+        parser.error(f"node {args.node_rank} of {args.nnodes} needs the job token that node 0 printed: "
+                     "start it with PYCOLL_JOB_TOKEN=... (or PYCOLL_JOB_TOKEN_FILE=...) in its environment")
+    token = draw()
+    if args.nnodes > 1:
+        _say(f"no PYCOLL_JOB_TOKEN was set, so this job's token is drawn here; start the other nodes with\n"
+             f"  PYCOLL_JOB_TOKEN={token.hex()} pycoll run --nnodes {args.nnodes} --node-rank R "
+             f"--master-addr {args.master_addr} --master-port "
+             f"{args.master_port if args.master_port is not None else MULTINODE_PORT} ...\n"
+             "(keep it secret: whoever holds it can join the job)")
     return token.hex()
 
 
 class _Job:
     """This node's ranks: start them, relay their output, watch them, and tear them all down."""
 
-    def __init__(self, args: argparse.Namespace, cmd: List[str], port: int,
-                 token: Optional[str]) -> None:
+    def __init__(self, args: argparse.Namespace, cmd: List[str], port: int, token: str) -> None:
         self.args, self.cmd, self.port, self.token = args, cmd, port, token
         self.procs: Dict[int, subprocess.Popen] = {}  # global rank -> process
         self.pumps: Dict[int, List[threading.Thread]] = {}
@@ -172,8 +177,8 @@ class _Job:
                    GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.port),
                    PYCOLL_STORE_HOSTED="1", PYTHONUNBUFFERED="1")
-        if self.token is not None:
-            env["PYCOLL_JOB_TOKEN"] = self.token
+        env["PYCOLL_JOB_TOKEN"] = self.token
+        env.pop("PYCOLL_JOB_TOKEN_FILE", None)
         return env
 
     def _spawn(self, rank: int, local_rank: int) -> None:

@@ -10,6 +10,7 @@ announced, in order, on the zmq channel, so matching stays in one place (tcp.py)
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 import select
 import socket
@@ -19,7 +20,10 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 from ..errors import PeerError, TimeoutError
+from ..logutil import RateLimitedLog
 from . import wire
+
+log = logging.getLogger("pycoll.tcp")
 
 _CHUNK = 1 << 22  # bytes per send/recv call: keeps one peer from starving the others
 STREAM_CHUNK = 1 << 19  # a consumed payload is handed over in pieces this big, while still in cache
@@ -87,6 +91,7 @@ class BulkLinks:
         self.closed_by: Dict[int, str] = {}  # peers whose stream ended -> why
         self.local: List[int] = []  # peers on this host, whose streams got `local_sndbuf`
         self.rejected = 0
+        self.rejects = RateLimitedLog(log, f"rank {rank}: tcp bulk streams: rejected connections")
 
     # -- set-up --------------------------------------------------------------------------------
     def establish(self, endpoints: Dict[int, str], token: bytes, deadline: float) -> None:
@@ -110,12 +115,15 @@ class BulkLinks:
                 continue
             try:
                 peer = self._expect_hello(sock, token, None, min(deadline, time.monotonic() + 5.0))
-            except (ValueError, OSError, TimeoutError):
+            except (ValueError, OSError, TimeoutError) as e:
                 self.rejected += 1  # a stranger or garbage on the listening port
+                self.rejects.warning("rank %d: tcp bulk stream: rejected a connection: %s", self.rank, e)
                 sock.close()
                 continue
             if peer not in waiting:
                 self.rejected += 1
+                self.rejects.warning("rank %d: tcp bulk stream: rejected a second hello from rank %d",
+                                     self.rank, peer)
                 sock.close()
                 continue
             self._send_hello(sock, token, peer)

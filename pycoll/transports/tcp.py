@@ -24,6 +24,7 @@ from .. import config
 from ..bootstrap.netif import select_address
 from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
+from ..logutil import RateLimitedLog
 from . import wire
 from .base import MsgKey, Request, Transport
 from .capabilities import SinkReceive
@@ -108,6 +109,7 @@ class TcpTransport(Transport):
         self._seen_nonces: set = set()
         self._token = b""
         self.rejected = 0  # messages and connections turned away (strangers, bad tokens, garbage)
+        self.rejects = RateLimitedLog(log, f"rank {rank}: tcp transport: rejected messages and connections")
         self._peer_monitors: Dict[zmq.Socket, int] = {}  # a DEALER's monitor -> the peer it reaches
         self.dead: Dict[int, str] = {}                    # peers whose connection dropped -> why
         window = config.get("PYCOLL_TCP_EAGER_WINDOW")
@@ -529,8 +531,8 @@ class TcpTransport(Transport):
     def _reject(self, ident: bytes, reason: str) -> None:
         self._skip_rest()
         self.rejected += 1
-        log.warning("rank %d: tcp transport dropped a message from connection %s: %s",
-                    self.rank, ident.hex(), reason)
+        self.rejects.warning("rank %d: tcp transport dropped a message from connection %s: %s",
+                             self.rank, ident.hex(), reason)
 
     def _log_monitor_events(self) -> None:
         while True:
@@ -540,8 +542,8 @@ class TcpTransport(Transport):
                 return
             endpoint = frames[1].decode(errors="replace") if len(frames) > 1 else "?"
             self.rejected += 1
-            log.warning("rank %d: tcp transport rejected a connection on %s that does not speak the "
-                        "protocol (handshake failed)", self.rank, endpoint)
+            self.rejects.warning("rank %d: tcp transport rejected a connection on %s that does not speak "
+                                 "the protocol (handshake failed)", self.rank, endpoint)
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + _LINGER_MS / 1000
