@@ -91,6 +91,7 @@ class BulkLinks:
         self.closed_by: Dict[int, str] = {}  # peers whose stream ended -> why
         self.local: List[int] = []  # peers on this host, whose streams got `local_sndbuf`
         self.rejected = 0
+        self._seen: set = set()  # nonces of hellos accepted: a captured hello replayed is turned away
         self.rejects = RateLimitedLog(log, f"rank {rank}: tcp bulk streams: rejected connections")
 
     # -- set-up --------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ class BulkLinks:
         self._listener.close()  # nothing listens once the job is wired up
 
     def _send_hello(self, sock: socket.socket, token: bytes, peer: int) -> None:
-        sock.sendall(wire.make_hello(token, self.rank, peer, secrets.token_bytes(16)))
+        sock.sendall(wire.make_hello(token, self.rank, peer, secrets.token_bytes(16), wire.BULK_PURPOSE))
 
     def _expect_hello(self, sock: socket.socket, token: bytes, peer: Optional[int], deadline: float) -> int:
         data = bytearray()
@@ -145,7 +146,7 @@ class BulkLinks:
             if not chunk:
                 raise ValueError("connection closed during the hello")
             data += chunk
-        src = wire.check_hello(token, self.rank, bytes(data))  # fresh connection: no replay to fear
+        src = wire.check_hello(token, self.rank, bytes(data), seen=self._seen, purpose=wire.BULK_PURPOSE)
         if peer is not None and src != peer:
             raise PeerError(f"rank {self.rank}: bulk stream to rank {peer} answered as rank {src}", peer)
         if not 0 <= src < self.size or src == self.rank:

@@ -566,6 +566,8 @@ class TcpTransport(Transport):
         self._monitor.close(linger=0)
         self._router.close(linger=0)
         self._bulk.close()
+        self.rejects.flush()
+        self._bulk.rejects.flush()
         self._wake_r.close()
         self._wake_w.close()
         self._ctx.term()

@@ -39,17 +39,21 @@ def unpack_header(data: bytes) -> Header:
     return Header(kind, dtype, comm_id, seq, tag, nbytes)
 
 
-def hello_mac(token: bytes, src: int, dst: int, nonce: bytes) -> bytes:
-    """Proof that the sender holds the job token, bound to this sender, receiver and nonce."""
-    return hmac.new(token, b"pycoll-hello" + struct.pack("<II", src, dst) + nonce, hashlib.sha256).digest()
+HELLO_PURPOSE = b"pycoll-hello"  # each channel its own: a hello captured on one is no good on another
+BULK_PURPOSE = b"pycoll-bulk-hello"
 
 
-def make_hello(token: bytes, src: int, dst: int, nonce: bytes) -> bytes:
-    return HELLO.pack(src, dst, nonce, hello_mac(token, src, dst, nonce))
+def hello_mac(token: bytes, src: int, dst: int, nonce: bytes, purpose: bytes = HELLO_PURPOSE) -> bytes:
+    """Proof that the sender holds the job token, bound to this sender, receiver, nonce and channel."""
+    return hmac.new(token, purpose + struct.pack("<II", src, dst) + nonce, hashlib.sha256).digest()
+
+
+def make_hello(token: bytes, src: int, dst: int, nonce: bytes, purpose: bytes = HELLO_PURPOSE) -> bytes:
+    return HELLO.pack(src, dst, nonce, hello_mac(token, src, dst, nonce, purpose))
 
 
 def check_hello(token: bytes, dst: int, payload: bytes, *, src: Optional[int] = None, size: Optional[int] = None,
-                seen: Optional[Set[bytes]] = None) -> int:
+                seen: Optional[Set[bytes]] = None, purpose: bytes = HELLO_PURPOSE) -> int:
     """The sender of a valid hello addressed to `dst`; ValueError otherwise: a wrong token, a sender
     other than `src` (when given) or outside 0..size-1, or a nonce already in `seen` (a replay;
     a valid nonce is added to it)."""
@@ -58,7 +62,7 @@ def check_hello(token: bytes, dst: int, payload: bytes, *, src: Optional[int] = 
     sender, to, nonce, mac = HELLO.unpack(payload)
     if to != dst:
         raise ValueError(f"hello addressed to rank {to}, not {dst}")
-    if not hmac.compare_digest(mac, hello_mac(token, sender, dst, nonce)):
+    if not hmac.compare_digest(mac, hello_mac(token, sender, dst, nonce, purpose)):
         raise ValueError("hello with a wrong job token")
     if src is not None and sender != src:
         raise ValueError(f"hello from rank {sender}, expected rank {src}")
