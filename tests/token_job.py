@@ -61,8 +61,9 @@ bulk.BulkLinks.establish = held_establish
 if use_torch:
     import torch
     import torch.distributed as dist
+
+    import pycoll.torch as pt  # registers the backend (the tests turn torch's autoload off)
     dist.init_process_group("pycoll")
-    import pycoll.torch as pt
     comm = pt._world
 else:
     import pycoll
