@@ -194,15 +194,30 @@ def test_two_nodes_share_node0_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_multinode_without_token_leaves_it_unset(tmp_path: Path) -> None:
+def test_multinode_node_without_token_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 19: a node other than 0 must get node 0's token; it never starts an open job."""
     script = write(tmp_path, "show.py", """
-        import os
-        print(os.environ["RANK"], os.environ["MASTER_PORT"], os.environ.get("PYCOLL_JOB_TOKEN"))
+        print("started")
     """)
     res = launch("-n", "2", "--nnodes", "3", "--node-rank", "2", script)
+    assert res.returncode == 2 and "started" not in res.stdout
+    assert "needs the job token that node 0 printed" in res.stderr and "PYCOLL_JOB_TOKEN" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_multinode_node_0_draws_and_prints_the_token(tmp_path: Path) -> None:
+    script = write(tmp_path, "show.py", """
+        import os
+        print(os.environ["RANK"], os.environ["PYCOLL_JOB_TOKEN"])
+    """)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--master-port", str(port), script)
     assert res.returncode == 0, res.stderr
-    assert sorted(res.stdout.splitlines()) == ["[rank 4] 4 29500 None", "[rank 5] 5 29500 None"]
-    assert "PYCOLL_JOB_TOKEN is not set" in res.stderr
+    printed = re.search(r"PYCOLL_JOB_TOKEN=([0-9a-f]{64}) pycoll run --nnodes 2 --node-rank R", res.stderr)
+    assert printed, res.stderr
+    assert f"[rank 0] 0 {printed[1]}" in res.stdout, res.stdout
 
 
 @pytest.mark.timeout(60)

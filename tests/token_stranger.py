@@ -6,8 +6,8 @@ writes what it achieved to OUT/stranger.json.
   and every key the job wrote, or (torch) list and read every key of torch's open TCPStore;
 - rank 0's bulk-stream listener (held open for it by token_job.py): a hello made with a guessed
   token, and rank 1's captured zmq hello replayed there;
-- rank 0's tcp (zmq ROUTER) port: a dozen hellos with guessed tokens, then rank 1's captured hellos
-  replayed, each followed by a data message.
+- rank 0's tcp (zmq ROUTER) port: rank 1's captured hellos replayed, then a dozen hellos with
+  guessed tokens, each followed by a data message.
 """
 import json
 import os
@@ -109,23 +109,24 @@ r0 = wait_for("rank0.json")
 r1 = wait_for("rank1.json")
 ctx = zmq.Context()
 dealer = ctx.socket(zmq.DEALER)
-dealer.setsockopt(zmq.LINGER, 0)
+dealer.setsockopt(zmq.LINGER, 2000)
 dealer.connect(r0["endpoint"])
 data = [wire.pack_header(wire.KIND_DATA, 0, 0, 0, 0, 4), b"evil"]
+for h in r1["hellos"]:
+    hello = bytes.fromhex(h)
+    replay = ctx.socket(zmq.DEALER)
+    replay.setsockopt(zmq.LINGER, 2000)
+    replay.connect(r0["endpoint"])
+    replay.send_multipart([wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello])
+    replay.send_multipart(data)
+    report["zmq_sent"] += 2
+time.sleep(0.5)  # the replays reach rank 0 (and its log) before the flood
 for _ in range(12):  # more than a burst: the log must stay short
     hello = wire.make_hello(secrets.token_bytes(32), 1, 0, secrets.token_bytes(16))
     dealer.send_multipart([wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello])
     dealer.send_multipart(data)
     report["zmq_sent"] += 2
-for h in r1["hellos"]:
-    hello = bytes.fromhex(h)
-    replay = ctx.socket(zmq.DEALER)
-    replay.setsockopt(zmq.LINGER, 0)
-    replay.connect(r0["endpoint"])
-    replay.send_multipart([wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello])
-    replay.send_multipart(data)
-    report["zmq_sent"] += 2
-time.sleep(1.0)
+time.sleep(2.0)
 if kind != "torch" and not report["store"]:
     attack_store()
 report["token_seen"] = any(r0["token"] in v for v in report["values"].values())

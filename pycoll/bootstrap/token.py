@@ -101,6 +101,19 @@ def mpi_token(rank: int, size: int, source: str) -> Optional[bytes]:
     return _mpi_token
 
 
+def _all_refuse(store, rank: int, size: int, wait: float = 5.0) -> None:
+    """Every rank reaches the same refusal; rank 0 (which may serve the store) waits a little for the
+    others to count in, so they raise the same helpful error rather than 'lost the store'."""
+    try:
+        store.add("refused", 1)
+        if rank == 0:
+            deadline = time.monotonic() + wait
+            while store.add("refused", 0) < size and time.monotonic() < deadline:
+                time.sleep(0.02)
+    except Exception:  # noqa: BLE001  (best effort: the error that follows is what matters)
+        pass
+
+
 # -- source 3: a file private to this uid ----------------------------------------------------------------
 def private_dir() -> str:
     """`<tmp>/pycoll-<uid>`, mode 0700 and ours; EnvError if someone else made it or opened it up."""
@@ -221,6 +234,7 @@ def agree(store, rank: int, size: int, source: str, local_size: int, timeout: fl
                                "job's token: do all ranks run as the same user on this host?")
             time.sleep(0.02)
     if not config.get("PYCOLL_INSECURE"):
+        _all_refuse(store, rank, size)
         raise EnvError(f"rank {rank} of {size}: the ranks are on several hosts and share no secret, so "
                        f"any process that reaches the rendezvous store could join the job: {WHAT_TO_SET}")
     log.warning("rank %d: PYCOLL_INSECURE=1: the job token travels through the rendezvous store, so any "
