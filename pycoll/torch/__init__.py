@@ -92,12 +92,12 @@ class PycollWork(dist.Work):
                 w.result()
             if self._post is not None:
                 self._post()
-        except BaseException as e:
-            self._done.set_exception(e)
+        except BaseException as e:  # the torch future first: wait() returning means get_future() is done
             self._fut.set_exception(e)
+            self._done.set_exception(e)
             return
-        self._done.set_result(self._outputs)
         self._fut.set_result(self._outputs)
+        self._done.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
