@@ -111,6 +111,12 @@ def worker(backend: str, steps_scale: float, sizes: bool) -> None:
                     ways[k]()
                     got[k].append(time.perf_counter() - s)
             out[f"ar{nbytes}"] = {k: slowest([float(np.median(v))])[0] for k, v in got.items()}
+        if comm is not None:  # the tuner's picks (each job calibrates afresh): for the sizes and DDP's buckets
+            def pick(nbytes: int) -> str:
+                fn = comm.selector.function("allreduce", nbytes, comm.topology, None)
+                fn = getattr(fn, "func", fn)
+                return f"{getattr(fn, '__module__', '').rsplit('.', 1)[-1]}.{getattr(fn, '__name__', fn)}"
+            out["algos"] = {str(b): pick(b) for b in (*SIZES, 25 << 20)}
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     if backend == "pycoll":
@@ -213,7 +219,8 @@ def main() -> None:
                 job = launch(backend, n, a.steps_scale, not a.no_sizes, tree)
                 job["backend"] = label
                 jobs.append(job)
-                print(f"round {r + 1}/{a.rounds}: {backend} x{n} in {time.monotonic() - t:.0f} s",
+                print(f"round {r + 1}/{a.rounds}: {label} x{n} in {time.monotonic() - t:.0f} s "
+                      f"{job.get('algos', '')}",
                       file=sys.stderr, flush=True)
     if a.json:
         with open(a.json, "w") as fh:
