@@ -27,7 +27,10 @@ def is_loopback(host: Optional[str]) -> bool:
 
 
 def make_store(job: JobEnv, timeout: float) -> Store:
-    """The job's TCPStore: at MASTER_ADDR:MASTER_PORT, or published by rank 0 over MPI under mpirun."""
+    """The job's TCPStore: the launcher's at MASTER_ADDR:PYCOLL_STORE_PORT, else at MASTER_ADDR:MASTER_PORT,
+    or published by rank 0 over MPI under mpirun."""
+    if job.master_addr is not None and job.store_port is not None:
+        return TCPStore(job.master_addr, job.store_port, is_master=False, token=job.token, timeout=timeout)
     if job.master_addr is not None:
         bind = "127.0.0.1" if is_loopback(job.master_addr) else "0.0.0.0"
         return TCPStore(job.master_addr, job.master_port or 0,
