@@ -80,7 +80,8 @@ class PycollWork(dist.Work):
         super().__init__()
         self._works, self._outputs, self._post = list(works), outputs, post
         self._done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-        self._fut: "torch.futures.Future[List[torch.Tensor]]" = torch.futures.Future()
+        self._src: "torch.futures.Future[List[torch.Tensor]]" = torch.futures.Future()
+        self._fut = self._src.then(_unwrap)
         if self._works:
             self._works[-1].get_future().add_done_callback(self._finish)
         else:
@@ -94,10 +95,10 @@ class PycollWork(dist.Work):
                 self._post()
         except BaseException as e:
             self._done.set_exception(e)
-            self._fut.set_exception(e)
+            self._src.set_exception(e)
             return
         self._done.set_result(self._outputs)
-        self._fut.set_result(self._outputs)
+        self._src.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
@@ -124,6 +125,10 @@ class PycollWork(dist.Work):
 
     def get_future(self) -> "torch.futures.Future[List[torch.Tensor]]":
         return self._fut
+
+
+def _unwrap(fut: "torch.futures.Future[Any]") -> Any:
+    return fut.wait()
 
 
 def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -167,9 +172,21 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def _op(opts: Any) -> ReduceOp:
         red = opts.reduceOp
         kind = getattr(red, "op", red)
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:  # a SUM of inputs scaled first (_premul)
+            return ReduceOp.SUM
         if kind not in _OPS:
             raise ValueError(f"pycoll backend: reduce op {kind} is not supported")
         return _OPS[kind]
+
+    @staticmethod
+    def _premul(opts: Any, t: torch.Tensor, in_place: bool) -> torch.Tensor:
+        """`t` scaled by a PREMUL_SUM op's factor (a float or a 1-element tensor), as NCCL scales each
+        input before summing; `t` itself for every other op."""
+        red = opts.reduceOp if opts is not None else None
+        if getattr(red, "op", None) != dist.ReduceOp.RedOpType.PREMUL_SUM:
+            return t
+        factor = red.factor
+        return t.mul_(factor) if in_place else t * factor
 
     @staticmethod
     def _contig(t: torch.Tensor):
@@ -196,6 +213,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         works, posts = [], []
         for t in tensors:
             buf, back = self._contig(t)
+            buf = self._premul(opts, buf, in_place=True)
             works.append(self.comm.allreduce(buf, op=op, async_op=True))
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
@@ -205,7 +223,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
         op, root = self._op(opts), opts.rootRank
-        buf, back = self._contig(tensors[opts.rootTensor])
+        t = tensors[opts.rootTensor]
+        buf, back = self._contig(t)
+        scaled = self._premul(opts, buf, in_place=False)
+        if scaled is not buf:  # only root's result lands in `t`; the others keep their input
+            buf, back = scaled, (lambda: t.copy_(scaled.view(t.shape)))
         work = self.comm.reduce(buf, root=root, op=op, async_op=True)
         return PycollWork([work], tensors, back if self.comm.rank == root else None)
 
@@ -213,7 +235,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                        opts: Any) -> PycollWork:
         op, works, posts = self._op(opts), [], []
         for out, ins in zip(outputs, inputs):
-            src = _flat_cat(ins)
+            src = self._premul(opts, _flat_cat(ins), in_place=True)  # a copy of its own already
             counts = [t.numel() for t in ins]
             buf, back = self._contig(out)
             works.append(self.comm.reduce_scatter(src, out=buf, op=op, counts=counts, async_op=True))
@@ -221,7 +243,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return PycollWork(works, outputs, self._chain(*posts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PycollWork:
-        src = input if input.is_contiguous() else input.contiguous()
+        src = self._premul(opts, input if input.is_contiguous() else input.contiguous(), in_place=False)
         buf, back = self._contig(output)
         work = self.comm.reduce_scatter(src, out=buf, op=self._op(opts), async_op=True)
         return PycollWork([work], [output], back)
