@@ -386,12 +386,30 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
 
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> PycollWork:
+        """dist.recv / dist.irecv without src: the first message with `tag` from any rank; the Work's
+        _source_rank() (what dist.recv returns, as a group rank) is the sender."""
+        works, posts = [], []
+        for t in tensors:
+            buf, back = self._contig(t)
+            works.append(self.comm.irecv(buf, None, tag))
+            posts.append(back)
+        work = PycollWork(works, tensors, self._chain(*posts))
+        work._source_rank = work.source_rank = lambda: _sender(works)  # type: ignore[method-assign]
+        return work
+
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.comm.close()
 
     def abort(self) -> None:
         self.comm.close()
+
+
+def _sender(works: Sequence[Any]) -> int:
+    """The group rank that sent a completed any-source receive (torch's Work.source_rank)."""
+    works[-1].wait()
+    return int(works[-1].source)
 
 
 class _Done:
