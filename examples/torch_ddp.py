@@ -2,12 +2,13 @@
 
     torchrun --nproc-per-node 2 examples/torch_ddp.py --backend pycoll
     torchrun --nproc-per-node 2 examples/torch_ddp.py --backend gloo     # the same run on gloo
+    pycoll run -n 2 python examples/torch_ddp.py --backend pycoll        # pycoll run works too
 
 `import pycoll.torch` registers the backend; after that the script is ordinary torch.distributed
 code (init_process_group from torchrun's environment, DistributedSampler, DistributedDataParallel).
 Each rank prints a digest of its parameters at the end: every rank prints the same one, and at
 two ranks the pycoll and gloo runs print the same one too (the two-rank sum has one order).
-Launch with torchrun, not `pycoll run`: torch's own store binds MASTER_PORT.
+Under `pycoll run`, torch's store binds MASTER_PORT and pycoll's launcher store has a port of its own.
 """
 import argparse
 import hashlib

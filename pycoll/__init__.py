@@ -1,6 +1,6 @@
 """pycoll: collective communication (allreduce and friends) for distributed training, in Python."""
 from . import version
-from .comm import Communicator
+from .comm import ANY_SOURCE, Communicator, P2POp, P2PWork, Status
 from .debug import MismatchError
 from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
@@ -11,7 +11,7 @@ from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barri
 __version__ = version.__version__
 
 __all__ = [
-    "Communicator", "MismatchError", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
+    "ANY_SOURCE", "Communicator", "P2POp", "P2PWork", "Status", "MismatchError", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
     "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
     "init", "default_comm", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
     "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -14,14 +14,58 @@ from .buffers import as_array, flat
 from .channel import CallName, Channel, byte_view
 from .ids import comm_hash
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
-from .selection import Selector
+from .selection import Selector, resolve
 from .topology import Topology
-from .transports.base import MsgKey, Transport
+from .transports.base import ANY, MsgKey, Transport
 from .transports.capabilities import Board, SharedBoard
 from .work import Work, Worker
 
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
+ANY_SOURCE = -1  # recv/irecv src: the first message with the tag from any rank (MPI_ANY_SOURCE)
 OpLike = Union[ReduceOp, str]
+
+
+class Status:
+    """What a completed receive got (mpi4py's Status): `source` (the sender's rank in the
+    communicator), `tag`, `nbytes`. Pass one to recv(..., status=)."""
+
+    __slots__ = ("source", "tag", "nbytes")
+
+    def __init__(self) -> None:
+        self.source: Optional[int] = None
+        self.tag: Optional[int] = None
+        self.nbytes = 0
+
+    def _fill(self, source: Optional[int], tag: int, nbytes: int) -> None:
+        self.source, self.tag, self.nbytes = source, tag, nbytes
+
+    def __repr__(self) -> str:
+        return f"Status(source={self.source}, tag={self.tag}, nbytes={self.nbytes})"
+
+
+class P2POp(NamedTuple):
+    """One operation of Communicator.batch_isend_irecv: `op` "isend" or "irecv" (or comm.isend /
+    comm.irecv), the buffer, the peer (communicator rank; for irecv None or ANY_SOURCE: any rank),
+    and the tag."""
+
+    op: Any
+    buf: Any
+    peer: Optional[int]
+    tag: int = 0
+
+
+class P2PWork(Work):
+    """A point-to-point Work; `source` is the peer's communicator rank (for an any-source irecv: the
+    sender, None until it matched), `tag` and `nbytes` those of the message."""
+
+    def __init__(self, what: object, future: Any, source: Callable[[], Optional[int]], tag: int,
+                 nbytes: int) -> None:
+        super().__init__(what, future)
+        self._source_of, self.tag, self.nbytes = source, tag, nbytes
+
+    @property
+    def source(self) -> Optional[int]:
+        return self._source_of()
 
 
 class Communicator:
@@ -47,6 +91,8 @@ class Communicator:
         self._p2p_worker: Optional[Worker] = None
         self._inflight = 0
         self._closed = False
+        self._ranks: Optional[dict] = None  # transport rank -> communicator rank, made on first need
+        self._subgroups: set = set()  # (name, ranks) of the subgroups made here
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
         self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 
@@ -393,6 +439,55 @@ class Communicator:
             return out
         return self._run("scatter", body, async_op, timeout, (dst.dtype, dst.size, None, root))
 
+    def gatherv(self, x: Any, counts: Sequence[int], root: int = 0, out: Any = None, *, async_op: bool = False,
+                timeout: Optional[float] = None) -> Any:
+        """At `root`: rank i's counts[i] elements, concatenated in rank order (a flat array of
+        sum(counts), or `out`); elsewhere None (MPI_Gatherv with packed displacements). Every rank's
+        `x` holds counts[rank] elements; every rank passes the same counts and root."""
+        root = self._peer(root, "root", "gatherv")
+        src = self._input(x, "gatherv", writable=False)
+        counts_l = self._counts(counts, "gatherv")
+        if counts_l[self.rank] != src.size:
+            raise ValueError(f"rank {self.rank}: gatherv counts[{self.rank}]={counts_l[self.rank]} but x "
+                             f"has {src.size} elements")
+        result = dst = None
+        if self.rank == root:
+            result = np.empty(sum(counts_l), src.dtype) if out is None else out
+            dst = self._output(result, "gatherv", src.dtype, sum(counts_l))
+        fn = resolve("gather", "linear")  # the root posts every receive at once, whatever the counts
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src), None if dst is None else flat(dst), root, counts_l)
+            return result
+        return self._run("gatherv", body, async_op, timeout, (src.dtype, counts_l, None, root))
+
+    def scatterv(self, x: Any, counts: Sequence[int], root: int = 0, out: Any = None, *, async_op: bool = False,
+                 timeout: Optional[float] = None) -> Any:
+        """Rank i gets the counts[i] elements of root's flat `x` that follow those of ranks 0..i-1
+        (MPI_Scatterv with packed displacements), in `out` or a new flat array. Off the root `x` may
+        be None (then `out` is needed) and only gives the dtype of a new result."""
+        root = self._peer(root, "root", "scatterv")
+        counts_l = self._counts(counts, "scatterv")
+        src = self._input(x, "scatterv", writable=False) if x is not None else None
+        mine = counts_l[self.rank]
+        if out is None:
+            if src is None:
+                raise ValueError(f"rank {self.rank}: scatterv needs out= or an x (for the dtype) off the root")
+            out = np.empty(mine, src.dtype)
+        dst = as_array(out, "scatterv out")
+        dtype_code(dst.dtype)
+        self._output(dst, "scatterv out", dst.dtype, mine)
+        if self.rank == root:
+            if src is None:
+                raise ValueError(f"rank {self.rank}: scatterv root must pass x")
+            self._output(src, "scatterv x", dst.dtype, sum(counts_l))
+        fn = resolve("scatter", "linear")
+
+        def body(ch: Channel) -> Any:
+            fn(ch, flat(src) if ch.rank == root else None, flat(dst), root, counts_l)
+            return out
+        return self._run("scatterv", body, async_op, timeout, (dst.dtype, counts_l, None, root))
+
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None) -> Any:
         """Return once every rank has called barrier."""
         return self._run("barrier", self._algorithm("barrier", 0, None), async_op, timeout,
@@ -404,34 +499,93 @@ class Communicator:
         req, limit, what = self._post_p2p("send", x, dst, tag, timeout)
         self.transport.wait([req], limit, what)
 
-    def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Any:
-        """Receive exactly `x`'s size and dtype from rank `src` into `x`; returns `x`."""
+    def recv(self, x: Any, src: Optional[int] = ANY_SOURCE, tag: int = 0, *, timeout: Optional[float] = None,
+             status: Optional[Status] = None) -> Any:
+        """Receive exactly `x`'s size and dtype from rank `src` into `x`; returns `x`.
+
+        `src` None or ANY_SOURCE takes the first message with `tag` from any rank (MPI_ANY_SOURCE);
+        pass a `Status` to learn who sent it (status.source, as mpi4py does)."""
         req, limit, what = self._post_p2p("recv", x, src, tag, timeout)
         self.transport.wait([req], limit, what)
+        if status is not None:
+            status._fill(self._source(req), int(tag), req.nbytes)
         return x
 
-    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
+    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> "P2PWork":
         """Start sending `x` to rank `dst` (posted now, so sends keep their call order); the Work
         completes when the send has. `x` must stay untouched until then."""
         return self._p2p_work(*self._post_p2p("isend", x, dst, tag, timeout), None)
 
-    def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
+    def irecv(self, x: Any, src: Optional[int] = ANY_SOURCE, tag: int = 0, *,
+              timeout: Optional[float] = None) -> "P2PWork":
         """Post a receive of exactly `x`'s size and dtype from rank `src` into `x`; the Work's
-        result is `x` once it has arrived."""
+        result is `x` once it has arrived. `src` None or ANY_SOURCE: from any rank; the Work's
+        `source` then says which (once complete)."""
         return self._p2p_work(*self._post_p2p("irecv", x, src, tag, timeout), x)
+
+    def batch_isend_irecv(self, ops: Sequence["P2POp"], *, timeout: Optional[float] = None) -> List["P2PWork"]:
+        """Post every point-to-point operation of `ops` (P2POp: "isend"/"irecv", buffer, peer, tag),
+        then return their Works in the same order (torch.distributed.batch_isend_irecv, MPI_Startall).
+        Every op is checked before any is posted, and all are posted before any is waited for, so
+        the order of sends and receives in a batch cannot deadlock a pairwise exchange; ops between
+        one pair in one direction still match in list order."""
+        ops = list(ops)
+        if not ops:
+            raise ValueError(f"rank {self.rank}: batch_isend_irecv needs at least one P2POp")
+        checked = [self._check_p2p(*self._p2p_op(op, i), timeout) for i, op in enumerate(ops)]
+        return [self._p2p_work(*self._start_p2p(*c), c[1] if c[0] == "irecv" else None) for c in checked]
+
+    def _p2p_op(self, op: Any, i: int) -> Tuple[str, Any, Any, int]:
+        """(call, buffer, peer, tag) of the i-th P2POp of a batch."""
+        if not isinstance(op, P2POp):
+            raise TypeError(f"rank {self.rank}: batch_isend_irecv ops[{i}] is a {type(op).__name__}, not a P2POp")
+        kind = op.op
+        if callable(kind):  # comm.isend / comm.irecv, as torch's P2POp takes dist.isend / dist.irecv
+            kind = getattr(kind, "__name__", kind)
+        if kind not in ("isend", "irecv"):
+            raise ValueError(f"rank {self.rank}: batch_isend_irecv ops[{i}].op={op.op!r} must be 'isend' or "
+                             "'irecv'")
+        return kind, op.buf, op.peer, op.tag
 
     def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]) -> Tuple[Any, float, str]:
         """Validate a point-to-point call and post it: (request, its deadline in s, what it is called)."""
+        return self._start_p2p(*self._check_p2p(call, x, peer, tag, timeout))
+
+    def _check_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]
+                   ) -> Tuple[str, Any, np.ndarray, int, MsgKey, float, str]:
+        """Everything a point-to-point call needs, checked, nothing posted."""
         self._check_open(call)
         sending = call.endswith("send")
         arr = self._input(x, call, writable=not sending)
-        peer = self._peer(peer, "dst" if sending else "src", call)
+        if not sending and (peer is None or (not isinstance(peer, bool) and isinstance(peer, (int, np.integer))
+                                             and peer == ANY_SOURCE)):
+            peer, whom = ANY_SOURCE, "any rank"
+        else:
+            peer = self._peer(peer, "dst" if sending else "src", call)
+            whom = f"rank {peer}"
         key, limit = self._p2p_key(tag, call), self._deadline(timeout, call)
-        post = self.transport.isend if sending else self.transport.irecv
-        req = post(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
-        return req, limit, f"{call} {'to' if sending else 'from'} rank {peer} tag {tag} on {self.name}"
+        what = f"{call} {'to' if sending else 'from'} {whom} tag {tag} on {self.name}"
+        return call, x, arr, peer, key, limit, what
 
-    def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> Work:
+    def _start_p2p(self, call: str, x: Any, arr: np.ndarray, peer: int, key: MsgKey, limit: float,
+                   what: str) -> Tuple[Any, float, str]:
+        if call.endswith("send"):
+            req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
+        else:
+            target = ANY if peer == ANY_SOURCE else self.group[peer]
+            req = self.transport.irecv(byte_view(arr), target, key, dtype_code(arr.dtype))
+        return req, limit, what
+
+    def _source(self, req: Any) -> Optional[int]:
+        """The communicator rank a completed request went to or came from (None while an any-source
+        receive has not matched)."""
+        if req.peer == ANY:
+            return None
+        if self._ranks is None:
+            self._ranks = {g: r for r, g in enumerate(self.group)}
+        return self._ranks[req.peer]
+
+    def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> "P2PWork":
         """A Work finishing when the posted request `req` does, waited for on the p2p worker (in
         posting order, off the collectives' worker so neither stalls the other)."""
         if self._p2p_worker is None:
@@ -440,7 +594,8 @@ class Communicator:
         def finish() -> Any:
             self.transport.wait([req], limit, what)
             return result
-        return self._p2p_worker.submit(what, finish)
+        work = self._p2p_worker.submit(what, finish)
+        return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes)
 
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:
@@ -465,6 +620,29 @@ class Communicator:
         self._check_open("dup")
         self.barrier()  # every rank must dup in the same order; this also fixes the child counter
         return self._child(f"{self.name}.dup{next(self._children)}", list(range(self.size)))
+
+    def subgroup(self, ranks: Sequence[int], name: str) -> Optional["Communicator"]:
+        """A communicator over `ranks` (ranks of this one; the new rank i is ranks[i]) that only its
+        members create, each with the same `ranks` and `name` (torch's new_group): nothing is sent on
+        this communicator, and the other ranks need not call it (if they do, they get None). Its
+        traffic is keyed by an id of its own (from this communicator's name, `name` and `ranks`),
+        apart from this communicator's, its dups', splits' and other subgroups'. A (name, ranks)
+        pair makes one subgroup per communicator: a second call raises ValueError."""
+        self._check_open("subgroup")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"rank {self.rank}: subgroup name={name!r} must be a non-empty string")
+        members = [self._peer(r, "ranks[]", "subgroup") for r in ranks]
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"rank {self.rank}: subgroup ranks={list(ranks)!r} must be distinct ranks of "
+                             f"{self.name}, at least one")
+        if self.rank not in members:
+            return None
+        made = (name, tuple(members))
+        if made in self._subgroups:
+            raise ValueError(f"rank {self.rank}: subgroup {name!r} over ranks {members} of {self.name} exists "
+                             "already; give each subgroup its own name")
+        self._subgroups.add(made)
+        return self._child(f"{self.name}/subgroup[{name}]({','.join(map(str, members))})", members)
 
     def _child(self, name: str, members: List[int]) -> "Communicator":
         group = [self.group[r] for r in members]

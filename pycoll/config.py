@@ -191,7 +191,11 @@ _VARS = [
         "its token through the rendezvous store, so anyone who reaches the store can join; every rank "
         "warns. `0`: such a job is refused"),
     Var("PYCOLL_STORE_HOSTED", FLAG, "0",
-        "`1`: the launcher serves the rendezvous store, so rank 0 does not (set by `pycoll run`)"),
+        "`1`: a launcher serves pycoll's rendezvous store on `MASTER_ADDR:MASTER_PORT`, so rank 0 does not"),
+    Var("PYCOLL_STORE_PORT", integer(1, 65535), None,
+        "port of the rendezvous store the launcher serves on `MASTER_ADDR` (set by `pycoll run`): "
+        "`pycoll.init()` connects there and no rank serves one, so `MASTER_PORT` stays free for "
+        "torch's own store"),
     # -- the test harness only ---------------------------------------------------------------
     Var("PYCOLL_RDMA_VM", FLAG, "0",
         "`1`: tests/test_verbs.py boots the soft-RoCE VM and runs the verbs tests there "

@@ -89,6 +89,7 @@ def test_choices_and_limits_match_the_code():
     ("PYCOLL_VERBS_ACK_TIMEOUT", "32", "an integer from 0 to 31"),
     ("PYCOLL_IB_GID_INDEX", "one", "an integer >= 0"),
     ("PYCOLL_STORE_HOSTED", "yes", "0 or 1"),
+    ("PYCOLL_STORE_PORT", "0", "an integer from 1 to 65535"),
     ("PYCOLL_DEBUG", "verbose", "one of WARN, INFO, TRACE, DETAIL"),
 ])
 def test_bad_values_name_the_variable_the_value_and_what_it_takes(name, bad, accepts):
@@ -119,6 +120,7 @@ def test_a_secret_is_never_shown():
     ("PYCOLL_TCP_BULK_THRESHOLD", "inf", math.inf),
     ("PYCOLL_TCP_COPY_THRESHOLD", "1000", 1000),
     ("PYCOLL_STORE_HOSTED", "1", True),
+    ("PYCOLL_STORE_PORT", "29501", 29501),
     ("PYCOLL_JOB_TOKEN", "abCD", b"\xab\xcd"),
     ("PYCOLL_TUNER_CACHE", "off", "off"),
     ("PYCOLL_TOPO_FILE", "~/topo.json", os.path.expanduser("~/topo.json")),

@@ -78,3 +78,15 @@ def test_mpi_without_master_addr_is_allowed():
 def test_token_and_hosted_store():
     job = discover(env={**TORCHRUN, "PYCOLL_JOB_TOKEN": "abcd", "PYCOLL_STORE_HOSTED": "1"})
     assert job.token == b"\xab\xcd" and job.store_hosted
+
+
+def test_launcher_store_port_leaves_master_port_to_torch():
+    job = discover(env={**TORCHRUN, "PYCOLL_STORE_PORT": "29601"})
+    assert job.store_port == 29601 and job.store_hosted and job.master_port == int(TORCHRUN["MASTER_PORT"])
+    assert discover(env=TORCHRUN).store_port is None
+
+
+def test_store_port_without_master_addr_is_an_error():
+    env = {k: v for k, v in TORCHRUN.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    with pytest.raises(EnvError, match="PYCOLL_STORE_PORT"):
+        discover(env={**env, "PYCOLL_STORE_PORT": "29601"})

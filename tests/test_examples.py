@@ -96,6 +96,21 @@ def test_torch_ddp_on_pycoll_matches_gloo():
     assert digests["pycoll"] == digests["gloo"], digests
 
 
+@pytest.mark.timeout(110)
+def test_torch_ddp_under_pycoll_run():
+    """examples/torch_ddp.py under `pycoll run` (torch's store on MASTER_PORT, pycoll's on its own
+    port): both backends train, and at two ranks end with the same parameters."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    digests = {}
+    for backend in ("pycoll", "gloo"):
+        out = pycoll_run(2, "examples/torch_ddp.py", "--backend", backend, "--epochs", "1")
+        found = per_rank(rf"\[{backend}\] rank (\d)/2: parameters sha256 ([0-9a-f]+)", out, 2)
+        assert len({m.group(2) for m in found}) == 1, out
+        digests[backend] = found[0].group(2)
+    assert digests["pycoll"] == digests["gloo"], digests
+
+
 @pytest.mark.timeout(60)
 def test_torch_ddp_style_without_torch_skips_gracefully(tmp_path):
     (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")  # shadows the real torch

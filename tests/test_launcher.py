@@ -1,4 +1,5 @@
-"""`pycoll run`: rank variables, the hosted store, output prefixes, exit codes and teardown.
+"""`pycoll run`: rank variables, the hosted store, output prefixes, exit codes and teardown, and
+torch scripts (torch's store on MASTER_PORT beside pycoll's on PYCOLL_STORE_PORT).
 
 Every launch uses a random master port (the default with one node), so tests can run in
 parallel under pytest-xdist without clashing.
@@ -26,10 +27,11 @@ ENV_SCRIPT = """
 import json, os
 from pycoll.bootstrap.store import TCPStore
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-        "MASTER_ADDR", "MASTER_PORT", "PYCOLL_JOB_TOKEN", "PYCOLL_STORE_HOSTED", "PYTHONUNBUFFERED"]
+        "MASTER_ADDR", "MASTER_PORT", "PYCOLL_JOB_TOKEN", "PYCOLL_STORE_PORT", "PYCOLL_STORE_HOSTED",
+        "PYTHONUNBUFFERED"]
 env = {k: os.environ.get(k) for k in keys}
 token = os.environ.get("PYCOLL_JOB_TOKEN")
-store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=30,
+store = TCPStore(env["MASTER_ADDR"], int(env["PYCOLL_STORE_PORT"]), timeout=30,
                  token=bytes.fromhex(token) if token else None)
 rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
 store.set(f"rank{rank}", str(os.getpid()).encode())
@@ -143,9 +145,11 @@ def test_env_and_hosted_store(tmp_path: Path, n: int) -> None:
         e = report["env"]
         assert (e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == (str(n), str(rank), str(n))
         assert (e["GROUP_RANK"], e["NODE_RANK"], e["MASTER_ADDR"]) == ("0", "0", "127.0.0.1")
-        assert (e["PYCOLL_STORE_HOSTED"], e["PYTHONUNBUFFERED"]) == ("1", "1")
+        assert (e["PYCOLL_STORE_HOSTED"], e["PYTHONUNBUFFERED"]) == (None, "1")
         assert report["seen"] == sorted(r["pid"] for r in reports.values())
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and int(envs[0]["MASTER_PORT"]) > 0
+    assert len({e["PYCOLL_STORE_PORT"] for e in envs}) == 1
+    assert envs[0]["PYCOLL_STORE_PORT"] != envs[0]["MASTER_PORT"]  # MASTER_PORT is left to torch
     assert len({e["PYCOLL_JOB_TOKEN"] for e in envs}) == 1
     assert re.fullmatch(r"[0-9a-f]{64}", envs[0]["PYCOLL_JOB_TOKEN"])
     assert sorted(r["arrival"] for r in reports.values()) == list(range(1, n + 1))
@@ -169,7 +173,7 @@ def test_concurrent_launchers_do_not_clash(tmp_path: Path) -> None:
     for out, _ in results:
         reports = parse_env(out)
         assert sorted(r["arrival"] for r in reports.values()) == [1, 2]  # one store per launch
-        ports |= {r["env"]["MASTER_PORT"] for r in reports.values()}
+        ports |= {r["env"]["PYCOLL_STORE_PORT"] for r in reports.values()}
     assert len(ports) == 3
 
 
@@ -178,7 +182,7 @@ def test_two_nodes_share_node0_store(tmp_path: Path) -> None:
     script = write(tmp_path, "env.py", ENV_SCRIPT)
     token = os.urandom(32).hex()
     env = _env(PYCOLL_JOB_TOKEN=token)
-    common = ["-n", "2", "--nnodes", "2", "--master-port", str(free_port())]
+    common = ["-n", "2", "--nnodes", "2", "--master-port", str(free_port()), "--store-port", str(free_port())]
     nodes = [start(*common, "--node-rank", str(r), script, env=env) for r in (1, 0)]
     results = [p.communicate(timeout=50) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [err for _, err in results]
@@ -189,7 +193,7 @@ def test_two_nodes_share_node0_store(tmp_path: Path) -> None:
         e = report["env"]
         assert (e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == ("4", str(rank % 2), "2")
         assert e["GROUP_RANK"] == e["NODE_RANK"] == str(rank // 2)
-        assert e["PYCOLL_JOB_TOKEN"] == token and e["PYCOLL_STORE_HOSTED"] == "1"
+        assert e["PYCOLL_JOB_TOKEN"] == token and e["PYCOLL_STORE_PORT"] == common[-1]
     assert sorted(r["arrival"] for r in reports.values()) == [1, 2, 3, 4]
 
 
@@ -346,6 +350,10 @@ def test_all_ranks_succeed_exit_zero_and_code_from_python_script(tmp_path: Path)
     (["--node-rank", "-1", "{script}"], "--node-rank"),
     (["--nnodes", "2", "--master-port", "0", "{script}"], "--master-port"),
     (["--master-port", "70000", "{script}"], "--master-port"),
+    (["--store-port", "70000", "{script}"], "--store-port"),
+    (["--nnodes", "2", "--store-port", "0", "{script}"], "--store-port"),
+    (["--master-port", "29600", "--store-port", "29600", "{script}"], "must differ"),
+    (["--nnodes", "2", "--master-port", "65535", "{script}"], "--store-port"),
     (["--timeout", "0", "{script}"], "--timeout"),
     (["-n", "2"], "missing the script"),
     (["-n", "2", "-m"], "missing the script"),
@@ -366,3 +374,92 @@ def test_bad_arguments_exit_2(tmp_path: Path, args: List[str], message: str) -> 
 def test_help_exits_0() -> None:
     res = launch("--help")
     assert res.returncode == 0 and "--nproc-per-node" in res.stdout
+
+
+# -- torch scripts ---------------------------------------------------------------------------------
+# Before PYCOLL_STORE_PORT, the launcher's store sat on MASTER_PORT and torch's rank 0 store failed
+# to bind it (EADDRINUSE). No destroy_process_group beside gloo: torch 2.13's gloo teardown race.
+TORCH_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+backend = sys.argv[1]
+if backend == "pycoll":
+    import pycoll.torch  # noqa: F401
+dist.init_process_group(backend)  # env:// from pycoll run's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+rank, size = dist.get_rank(), dist.get_world_size()
+t = torch.full((1000,), float(rank + 1))
+dist.all_reduce(t)
+dist.barrier()
+w = dist.all_reduce(torch.ones(3), async_op=True)
+w.wait()
+print(f"TORCH {backend} {rank}/{size} {t[0].item():g} {t[-1].item():g} {w.get_future().value()[0].tolist()}")
+if backend == "pycoll":
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["pycoll", "gloo"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_script_on_either_backend(tmp_path: Path, backend: str, n: int) -> None:
+    pytest.importorskip("torch")
+    script = write(tmp_path, "train.py", TORCH_SCRIPT)
+    res = launch("-n", str(n), "--timeout", "90", script, backend, timeout=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    total = n * (n + 1) // 2
+    ones = [float(n)] * 3
+    assert sorted(res.stdout.splitlines()) == [
+        f"[rank {r}] TORCH {backend} {r}/{n} {total} {total} {ones}" for r in range(n)], res.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["pycoll", "gloo"])
+def test_pycoll_init_beside_torch(tmp_path: Path, backend: str) -> None:
+    """pycoll.init() rendezvouses at the launcher's store (with its token) while torch's store
+    binds MASTER_PORT; both worlds run collectives in one script."""
+    pytest.importorskip("torch")
+    script = write(tmp_path, "both.py", """
+        import os, sys
+        import numpy as np
+        import torch, torch.distributed as dist
+        import pycoll
+        backend = sys.argv[1]
+        if backend == "pycoll":
+            import pycoll.torch  # noqa: F401
+        comm = pycoll.init()
+        dist.init_process_group(backend)
+        x = np.full(4, comm.rank + 1.0, np.float32)
+        comm.allreduce(x)
+        t = torch.full((4,), dist.get_rank() + 1.0)
+        dist.all_reduce(t)
+        comm.barrier()
+        dist.barrier()
+        print(f"BOTH {comm.rank}/{comm.size} {x.tolist()} {t.tolist()}")
+        comm.close()
+        if backend == "pycoll":
+            dist.destroy_process_group()
+    """)
+    res = launch("-n", "2", "--timeout", "90", script, backend, timeout=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == [
+        f"[rank {r}] BOTH {r}/2 {[3.0] * 4} {[3.0] * 4}" for r in range(2)], res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_store_demands_the_job_token(tmp_path: Path) -> None:
+    """The launcher's store on PYCOLL_STORE_PORT refuses a client without the job token."""
+    script = write(tmp_path, "probe.py", """
+        import os
+        from pycoll.bootstrap.store import TCPStore
+        from pycoll.errors import PycollError
+        try:
+            s = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["PYCOLL_STORE_PORT"]), timeout=3,
+                         token=b"wrong token")
+            s.set("k", b"v")
+            print("ADMITTED")
+        except (PycollError, OSError) as e:
+            print("REFUSED", type(e).__name__)
+    """)
+    res = launch("-n", "1", script)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("[rank 0] REFUSED"), res.stdout + res.stderr

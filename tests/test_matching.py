@@ -118,3 +118,46 @@ def test_matching_keeps_no_state_after_balanced_traffic(n):
             m.stash(match_of(i % 7, key), np.zeros(1))
             assert m.post(_recv(i % 7, key)) is not None
     assert m.posted == {} and m.unexpected == {}
+
+
+def test_any_source_receive_takes_the_first_arrival_from_any_peer_and_learns_the_sender():
+    from pycoll.transports.base import ANY
+    m: Matcher[str] = Matcher(0)
+    m.stash(match_of(2, KEY), "from 2")
+    m.stash(match_of(1, KEY), "from 1")
+    m.stash(match_of(2, KEY), "from 2 again")
+    m.stash(match_of(3, MsgKey(0xC0, 3, 9)), "other tag")
+    got = []
+    for _ in range(3):
+        req = _recv(ANY)
+        got.append((m.post(req), req.peer))
+    assert got == [("from 2", 2), ("from 1", 1), ("from 2 again", 2)]  # arrival order, FIFO per peer
+    assert list(m.unexpected) == [match_of(3, MsgKey(0xC0, 3, 9))] and m.wild == 0
+
+
+def test_an_arrival_goes_to_the_earliest_posted_of_its_peers_and_the_any_source_receives():
+    from pycoll.transports.base import ANY
+    m: Matcher[str] = Matcher(0)
+    own1, wild1, own2, wild2 = _recv(1), _recv(ANY), _recv(1), _recv(ANY)
+    for r in (own1, wild1, own2, wild2):
+        assert m.post(r) is None
+    assert m.wild == 2 and m.waiting(match_of(1, KEY)) is own1
+    assert m.take(match_of(1, KEY)) is own1
+    assert m.waiting(match_of(1, KEY)) is wild1 and wild1.peer == ANY  # waiting leaves it unmatched
+    assert m.take(match_of(1, KEY)) is wild1 and wild1.peer == 1
+    assert m.take(match_of(2, KEY)) is wild2 and wild2.peer == 2  # another peer's arrival
+    assert m.take(match_of(2, KEY)) is None and m.take(match_of(1, KEY)) is own2
+    assert m.posted == {} and m.wild == 0
+
+
+def test_a_closed_peer_leaves_any_source_receives_waiting_and_a_death_fails_them():
+    from pycoll.transports.base import ANY
+    m: Matcher[str] = Matcher(0)
+    wild = _recv(ANY)
+    m.post(wild)
+    assert m.peer_gone(1, "it closed its communicator") == [] and not wild.done and m.wild == 1
+    death = PeerError("rank 0: rank 2 died", 2)
+    assert m.break_job(death) == [wild] and wild.error is death and m.wild == 0
+    late = _recv(ANY)
+    assert m.post(late) is None and late.done and late.error is death
+    assert "recv from any rank" == late.describe()

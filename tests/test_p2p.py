@@ -166,7 +166,7 @@ def test_size_and_dtype_mismatch_is_an_error_not_garbage(n):
 
 def _bad_args(comm):
     errors = []
-    for call in (lambda: comm.send(np.zeros(1), 5), lambda: comm.recv(np.zeros(1), -1),
+    for call in (lambda: comm.send(np.zeros(1), 5), lambda: comm.recv(np.zeros(1), -2),
                  lambda: comm.send(np.zeros(1), 0, tag=-3), lambda: comm.recv(b"ro", 0),
                  lambda: comm.send(np.zeros((4, 4))[:, 1], 0), lambda: comm.send(object(), 0)):
         try:

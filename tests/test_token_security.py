@@ -128,10 +128,10 @@ def test_torchrun_style_on_loopback(out):
 
 @pytest.mark.timeout(200)
 def test_pycoll_run_one_node(out):
-    port = free_port()
-    procs = [start([sys.executable, "-m", "pycoll", "run", "-n", "2", "--master-port", str(port), JOB, out],
-                   clean_env())]
-    stranger = start([sys.executable, STRANGER, out, "127.0.0.1", str(port), "pycoll"], clean_env())
+    port, store_port = free_port(), free_port()
+    procs = [start([sys.executable, "-m", "pycoll", "run", "-n", "2", "--master-port", str(port),
+                    "--store-port", str(store_port), JOB, out], clean_env())]
+    stranger = start([sys.executable, STRANGER, out, "127.0.0.1", str(store_port), "pycoll"], clean_env())
     res = finish([stranger] + procs)
     assert res[0][0] == 0, res[0][2][-3000:] + res[1][2][-3000:]
     with open(os.path.join(out, "stranger.json")) as fh:
@@ -144,8 +144,9 @@ def test_pycoll_run_one_node(out):
 @pytest.mark.timeout(200)
 def test_pycoll_run_two_nodes_on_loopback(out):
     """Node 0 draws the token and prints the line for the others; a node without it refuses to start."""
-    port = free_port()
-    base = [sys.executable, "-m", "pycoll", "run", "-n", "1", "--nnodes", "2", "--master-port", str(port)]
+    port, store_port = free_port(), free_port()
+    base = [sys.executable, "-m", "pycoll", "run", "-n", "1", "--nnodes", "2", "--master-port", str(port),
+            "--store-port", str(store_port)]
     lonely = subprocess.run(base + ["--node-rank", "1", JOB, out], env=clean_env(), cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert lonely.returncode == 2 and "PYCOLL_JOB_TOKEN" in lonely.stderr, lonely.stderr
@@ -155,14 +156,15 @@ def test_pycoll_run_two_nodes_on_loopback(out):
     while token is None and time.monotonic() < deadline:
         line = node0.stderr.readline()
         lines.append(line)
-        m = re.search(r"PYCOLL_JOB_TOKEN=([0-9a-f]{64}) pycoll run --nnodes 2 --node-rank R", line)
+        m = re.search(r"PYCOLL_JOB_TOKEN=([0-9a-f]{64}) pycoll run --nnodes 2 --node-rank R .*"
+                      rf"--store-port {store_port}", line)
         token = m and m[1]
     assert token, "".join(lines)
     rest = []
     pump = threading.Thread(target=lambda: rest.extend(node0.stderr), daemon=True)
     pump.start()
     node1 = start(base + ["--node-rank", "1", JOB, out], clean_env(PYCOLL_JOB_TOKEN=token))
-    stranger = start([sys.executable, STRANGER, out, "127.0.0.1", str(port), "pycoll"], clean_env())
+    stranger = start([sys.executable, STRANGER, out, "127.0.0.1", str(store_port), "pycoll"], clean_env())
     res = finish([stranger, node1])
     node0.wait(JOB_TIMEOUT)
     pump.join(10)

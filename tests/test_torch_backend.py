@@ -14,7 +14,7 @@ from multiproc import run_ranks  # noqa: E402
 
 INT_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 FLOAT_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
-DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 
 
 def _join(rank, size, path):
@@ -66,7 +66,7 @@ def _all_methods(rank, size, path):
 
     # all_reduce: every op that the dtype allows (gloo has no AVG: compare with SUM / size)
     for dtype in DTYPES:
-        ops = INT_OPS if dtype.startswith("int") else FLOAT_OPS
+        ops = INT_OPS if "int" in dtype else FLOAT_OPS
         for op in ops:
             low, high = (-3, 4) if op == "PRODUCT" else (-20, 20)
             x = _data(rank, (7, 3), dtype, low, high)
@@ -76,7 +76,7 @@ def _all_methods(rank, size, path):
                 dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
                 return [t]
             chk.same(f"all_reduce {op} {dtype}", *both(red))
-        if not dtype.startswith("int"):
+        if "int" not in dtype:
             x = _data(rank, (10,), dtype)
             t = x.clone()
             dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)

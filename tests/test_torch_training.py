@@ -198,3 +198,25 @@ def test_rank_killed_mid_ddp_training_raises_within_5s_on_every_other_rank():
         assert step is not None and step >= 3, value
         assert when - died <= 5.0, (when - died, message)
         assert f"rank {victim}" in message, message
+
+
+def _integers(rank, size, port):
+    """Integer dtypes gloo lacks (int16, uint16, uint32, uint64) and bool, on pycoll against local sums."""
+    dist = _world(rank, size, port, "pycoll")
+    got = {}
+    for name in ("int16", "uint16", "uint32", "uint64"):
+        dtype = getattr(torch, name)
+        t = torch.arange(6, dtype=torch.int64).add(rank).to(dtype)
+        dist.all_reduce(t)
+        expect = sum(torch.arange(6, dtype=torch.int64) + r for r in range(size))
+        got[name] = t.to(torch.int64).tolist() == expect.tolist() and t.dtype == dtype
+    flags = torch.tensor([rank == 0, True, False])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    got["bool max"] = flags.tolist() == [True, True, False]
+    return got
+
+
+def test_integer_dtypes_gloo_lacks():
+    out = run_ranks(_integers, 2, 2, _free_port(), init=False, timeout=120)
+    for rank, got in enumerate(out):
+        assert all(got.values()), (rank, got)

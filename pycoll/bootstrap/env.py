@@ -32,6 +32,7 @@ class JobEnv:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     store_hosted: bool = False       # the launcher serves the store, so rank 0 must not
+    store_port: Optional[int] = None  # PYCOLL_STORE_PORT: the launcher's store is there, not at master_port
     token: Optional[bytes] = None    # PYCOLL_JOB_TOKEN or _FILE, or agreed before the store (bootstrap/token.py)
     token_file: Optional[str] = None  # rank 0: the private token file to remove once every peer connected
 
@@ -82,9 +83,14 @@ def discover(rank: Optional[int] = None, size: Optional[int] = None,
     if port is not None and not 0 <= port < 65536:
         raise EnvError(f"MASTER_PORT={port} is not a TCP port")
     token = env_token(env)
+    store_port = config.get("PYCOLL_STORE_PORT", env)
+    if store_port is not None and addr is None:
+        raise EnvError("PYCOLL_STORE_PORT is set but MASTER_ADDR is not: the launcher's store is at "
+                       "MASTER_ADDR:PYCOLL_STORE_PORT")
     if size > 1 and addr is None and source not in MPI_SOURCES:
         raise EnvError(f"rank {rank} of {size} (from {source}) has no rendezvous: set MASTER_ADDR and "
                        "MASTER_PORT, pass store= to pycoll.init, or run under mpirun with mpi4py installed")
     return JobEnv(rank=rank, size=size, source=source, local_rank=local_rank, local_size=local_size,
                   master_addr=addr, master_port=port,
-                  store_hosted=config.get("PYCOLL_STORE_HOSTED", env), token=token)
+                  store_hosted=store_port is not None or config.get("PYCOLL_STORE_HOSTED", env),
+                  store_port=store_port, token=token)

@@ -27,11 +27,14 @@ def is_loopback(host: Optional[str]) -> bool:
 
 
 def make_store(job: JobEnv, timeout: float) -> Tuple[Store, JobEnv]:
-    """The job's TCPStore (at MASTER_ADDR:MASTER_PORT, or published by rank 0 over MPI under mpirun) and
-    the job with the token it agreed on, when one could be had before the store: from the environment,
-    over MPI, or (store on loopback) through a file private to the uid. The store then demands it."""
+    """The job's TCPStore (the launcher's at MASTER_ADDR:PYCOLL_STORE_PORT, else at MASTER_ADDR:MASTER_PORT,
+    or published by rank 0 over MPI under mpirun) and the job with the token it agreed on, when one could
+    be had before the store: from the environment, over MPI, or (store on loopback) through a file
+    private to the uid. The store then demands it."""
     if job.token is None and job.size > 1:
         job = replace(job, token=token_mod.mpi_token(job.rank, job.size, job.source))
+    if job.master_addr is not None and job.store_port is not None:
+        return TCPStore(job.master_addr, job.store_port, is_master=False, token=job.token, timeout=timeout), job
     if job.master_addr is not None:
         loopback = is_loopback(job.master_addr)
         bind = "127.0.0.1" if loopback else "0.0.0.0"

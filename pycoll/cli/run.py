@@ -1,7 +1,10 @@
 """`pycoll run`: start N local ranks of a script with the torchrun variables set.
 
 Like torchrun's agent, the launcher on node 0 serves the rendezvous store itself, so every
-rank (rank 0 included) is a client and the store outlives any one rank. Each rank's output
+rank (rank 0 included) is a client and the store outlives any one rank. That store listens on
+a port of its own, passed as PYCOLL_STORE_PORT (with the job token it demands in
+PYCOLL_JOB_TOKEN); MASTER_ADDR:MASTER_PORT is left free for torch, whose rank 0 binds
+MASTER_PORT in init_process_group, so torch scripts on any backend run unchanged. Each rank's output
 is prefixed with `[rank R] `. The first rank to fail brings the whole job down, so no rank
 hangs forever in a collective waiting for a dead peer, and each rank runs in its own
 process group, so teardown also reaches the processes a rank started.
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -44,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
                    metavar="A", help="address of node 0 (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
-                   metavar="P", help=f"store port on node 0 (default: a free port with one node, "
-                                     f"{MULTINODE_PORT} with several)")
+                   metavar="P", help=f"MASTER_PORT: the port torch's store binds on node 0 (default: a "
+                                     f"free port with one node, {MULTINODE_PORT} with several)")
+    p.add_argument("--store-port", "--store_port", dest="store_port", type=int, default=None,
+                   metavar="P", help="PYCOLL_STORE_PORT: the port of pycoll's store, served by this "
+                                     "launcher on node 0 (default: a free port with one node, "
+                                     "master port + 1 with several)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help=f"kill the job and exit {TIMEOUT_EXIT} if it runs longer than S seconds")
     p.add_argument("-m", "--module", action="store_true",
@@ -66,20 +74,29 @@ def main(argv: List[str]) -> int:
         token = _job_token(parser, args)
     except SystemExit as e:  # argparse exits on bad input or --help; the caller wants a code
         return int(e.code or 0)
-    port = args.master_port
-    if port is None:
-        port = 0 if args.nnodes == 1 else MULTINODE_PORT
+    master_port = args.master_port
+    if master_port is None:
+        master_port = 0 if args.nnodes == 1 else MULTINODE_PORT
+    store_port = args.store_port
+    if store_port is None:
+        store_port = 0 if args.nnodes == 1 else master_port + 1
+    host = "::" if ":" in args.master_addr else "0.0.0.0"
     server = None
     if args.node_rank == 0:
-        host = "::" if ":" in args.master_addr else "0.0.0.0"
         try:
-            server = TCPStoreServer(host=host, port=port, token=bytes.fromhex(token))
+            server = TCPStoreServer(host=host, port=store_port, token=bytes.fromhex(token))
         except StoreError as e:
             _say(str(e))
             return 1
-        port = server.port
+        store_port = server.port
     try:
-        return _Job(args, cmd, port, token).run()
+        if master_port == 0:  # one node: a port for torch that is free now (the store holds its own)
+            try:
+                master_port = _free_port(host)
+            except OSError as e:
+                _say(f"cannot find a free port for MASTER_PORT on {host}: {e}")
+                return 1
+        return _Job(args, cmd, master_port, store_port, token).run()
     finally:
         if server is not None:
             server.close()
@@ -98,6 +115,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.master_port == 0 and args.nnodes > 1:
         parser.error("--master-port 0 (a random port) works only with --nnodes 1: "
                      "the other nodes must know the port in advance")
+    if args.store_port is not None and not 0 <= args.store_port <= 65535:
+        parser.error(f"--store-port must be in 0..65535, not {args.store_port}")
+    if args.store_port == 0 and args.nnodes > 1:
+        parser.error("--store-port 0 (a random port) works only with --nnodes 1: "
+                     "the other nodes must know the port in advance")
+    if args.nnodes > 1 and args.store_port is None and (args.master_port or MULTINODE_PORT) == 65535:
+        parser.error("--master-port 65535 leaves no port above it for pycoll's store: pass --store-port")
+    if args.store_port and args.store_port == args.master_port:
+        parser.error(f"--store-port and --master-port must differ (torch's store binds MASTER_PORT), "
+                     f"both are {args.store_port}")
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
 
@@ -135,7 +162,8 @@ def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
         _say(f"no PYCOLL_JOB_TOKEN was set, so this job's token is drawn here; start the other nodes with\n"
              f"  PYCOLL_JOB_TOKEN={token.hex()} pycoll run --nnodes {args.nnodes} --node-rank R "
              f"--master-addr {args.master_addr} --master-port "
-             f"{args.master_port if args.master_port is not None else MULTINODE_PORT} ...\n"
+             f"{args.master_port if args.master_port is not None else MULTINODE_PORT}"
+             f"{f' --store-port {args.store_port}' if args.store_port is not None else ''} ...\n"
              "(keep it secret: whoever holds it can join the job)")
     return token.hex()
 
@@ -143,8 +171,10 @@ def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
 class _Job:
     """This node's ranks: start them, relay their output, watch them, and tear them all down."""
 
-    def __init__(self, args: argparse.Namespace, cmd: List[str], port: int, token: str) -> None:
-        self.args, self.cmd, self.port, self.token = args, cmd, port, token
+    def __init__(self, args: argparse.Namespace, cmd: List[str], master_port: int, store_port: int,
+                 token: str) -> None:
+        self.args, self.cmd, self.token = args, cmd, token
+        self.master_port, self.store_port = master_port, store_port
         self.procs: Dict[int, subprocess.Popen] = {}  # global rank -> process
         self.pumps: Dict[int, List[threading.Thread]] = {}
         self.signals: List[int] = []  # signals the launcher received, to forward
@@ -175,8 +205,9 @@ class _Job:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(a.nproc * a.nnodes),
                    LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
                    GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
-                   MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.port),
-                   PYCOLL_STORE_HOSTED="1", PYTHONUNBUFFERED="1")
+                   MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.master_port),
+                   PYCOLL_STORE_PORT=str(self.store_port), PYTHONUNBUFFERED="1")
+        env.pop("PYCOLL_STORE_HOSTED", None)  # that says "pycoll's store is at MASTER_PORT": not ours
         env["PYCOLL_JOB_TOKEN"] = self.token
         env.pop("PYCOLL_JOB_TOKEN_FILE", None)
         return env
@@ -246,6 +277,13 @@ class _Job:
     def _join_output(self, rank: int) -> None:
         for t in self.pumps[rank]:
             t.join(timeout=2.0)
+
+
+def _free_port(host: str) -> int:
+    """A TCP port nothing listens on now, on the interfaces torch's store will bind (`host`)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _killpg(pgid: int, signum: int) -> None:

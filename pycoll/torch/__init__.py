@@ -76,7 +76,7 @@ class PycollWork(dist.Work):
     and reach get_future()'s waiters."""
 
     def __init__(self, works: Sequence[Any], outputs: List[torch.Tensor],
-                 post: Optional[Callable[[], None]] = None) -> None:
+                 post: Optional[Callable[[], None]] = None, error: Optional[BaseException] = None) -> None:
         super().__init__()
         self._works, self._outputs, self._post = list(works), outputs, post
         self._done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
@@ -85,20 +85,22 @@ class PycollWork(dist.Work):
         if self._works:
             self._works[-1].get_future().add_done_callback(self._finish)
         else:
-            self._finish(None)
+            self._finish(None, error)
 
-    def _finish(self, _: Any) -> None:
+    def _finish(self, _: Any, error: Optional[BaseException] = None) -> None:
         try:
+            if error is not None:  # ran already, and failed
+                raise error
             for w in self._works:  # in call order: the first error is the cause
                 w.result()
             if self._post is not None:
                 self._post()
-        except BaseException as e:
-            self._done.set_exception(e)
+        except BaseException as e:  # torch's future first: wait() returning means get_future() is done
             self._src.set_exception(e)
+            self._done.set_exception(e)
             return
-        self._done.set_result(self._outputs)
         self._src.set_result(self._outputs)
+        self._done.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
@@ -210,6 +212,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         op = self._op(opts) if opts is not None else ReduceOp.SUM
+        if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
+            return self._blocking(tensors, op, opts)  # once, so run here: no hand-off to the worker thread
         works, posts = [], []
         for t in tensors:
             buf, back = self._contig(t)
@@ -217,6 +221,19 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             works.append(self.comm.allreduce(buf, op=op, async_op=True))
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
+
+    def _blocking(self, tensors: List[torch.Tensor], op: ReduceOp, opts: Any) -> PycollWork:
+        """allreduce on this thread (behind any queued work, in call order); an already finished Work."""
+        error = None
+        try:
+            for t in tensors:
+                buf, back = self._contig(t)
+                self.comm.allreduce(self._premul(opts, buf, in_place=True), op=op)
+                if back is not None:
+                    back()
+        except BaseException as e:  # wait() re-raises it, as for an async call
+            error = e
+        return PycollWork([], tensors, None, error)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         return self.allreduce(tensors, opts)
@@ -369,12 +386,30 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
 
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> PycollWork:
+        """dist.recv / dist.irecv without src: the first message with `tag` from any rank; the Work's
+        _source_rank() (what dist.recv returns, as a group rank) is the sender."""
+        works, posts = [], []
+        for t in tensors:
+            buf, back = self._contig(t)
+            works.append(self.comm.irecv(buf, None, tag))
+            posts.append(back)
+        work = PycollWork(works, tensors, self._chain(*posts))
+        work._source_rank = work.source_rank = lambda: _sender(works)  # type: ignore[method-assign]
+        return work
+
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.comm.close()
 
     def abort(self) -> None:
         self.comm.close()
+
+
+def _sender(works: Sequence[Any]) -> int:
+    """The group rank that sent a completed any-source receive (torch's Work.source_rank)."""
+    works[-1].wait()
+    return int(works[-1].source)
 
 
 class _Done:

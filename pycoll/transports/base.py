@@ -16,11 +16,11 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, TimeoutError
 from .capabilities import Capability
 from .matching import Matcher
-from .request import MsgKey, Request, Sink, as_bytes
+from .request import ANY, MsgKey, Request, Sink, as_bytes
 
 C = TypeVar("C", bound=Capability)
 _CLOSING = threading.Lock()  # makes close() run its work once, whichever thread calls it
-__all__ = ["C", "MsgKey", "Request", "Sink", "Transport", "deadline_after"]
+__all__ = ["ANY", "C", "MsgKey", "Request", "Sink", "Transport", "deadline_after"]
 
 
 class Transport(ABC):
@@ -56,6 +56,9 @@ class Transport(ABC):
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
         """Post a receive of exactly `view.nbytes` bytes from `peer` into `view`.
+
+        `peer` ANY receives from whichever rank sends a message with `key` first (matching.py); the
+        request's `peer` is the sender once it matched. A transport that cannot raises ValueError here.
 
         With `sink` (only where the transport offers SinkReceive), the payload is passed to
         sink(piece, offset) instead, in the progressing thread, e.g. to reduce straight from the
@@ -100,7 +103,7 @@ class Transport(ABC):
         return TimeoutError(
             f"rank {self.rank}: {what} timed out after {timeout:g} s over {self.name}; still waiting "
             f"on: {', '.join(r.describe() for r in pending)} (is that rank alive and in the same call?)",
-            peers=[r.peer for r in pending])
+            peers=[r.peer for r in pending if r.peer != ANY])
 
     @staticmethod
     def _raise_errors(reqs: Sequence[Request], what: object) -> None:

@@ -45,7 +45,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 from ..bootstrap.store import Store
 from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
-from .base import MsgKey, Request, Transport
+from .base import ANY, MsgKey, Request, Transport
 from .capabilities import MpiCommunicators
 from .liveness import PidWatch
 
@@ -165,6 +165,11 @@ class MpiTransport(Transport):
                                   lambda status: self._finish(req), True))
 
     def _start_recv(self, req: Request) -> None:
+        if req.peer == ANY:
+            raise ValueError(f"rank {self.rank}: PYCOLL_TRANSPORT=mpi cannot receive from any source: its "
+                             "large messages are a header then a payload on one hashed MPI tag, which an "
+                             "MPI_ANY_SOURCE listener beside a per-peer one could split; name the source, "
+                             "or use PYCOLL_TRANSPORT=tcp, shm or auto")
         with self._lock:
             arrival = self.matcher.post(req)
             if arrival is None:

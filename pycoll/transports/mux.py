@@ -8,7 +8,7 @@ import time
 from typing import List, Optional, Sequence
 
 from ..bootstrap.store import Store
-from .base import MsgKey, Request, Sink, Transport
+from .base import ANY, MsgKey, Request, Sink, Transport
 from .capabilities import SharedBoard, SinkReceive
 from .shm import ShmTransport
 from .tcp import TcpTransport
@@ -50,6 +50,12 @@ class AutoTransport(Transport):
 
     def irecv(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0,
               sink: Optional[Sink] = None) -> Request:
+        if peer == ANY:  # from any source: only where one transport reaches every peer
+            if self._shm is not None and self._tcp is not None:
+                raise ValueError(f"rank {self.rank}: PYCOLL_TRANSPORT=auto cannot receive from any source in a "
+                                 "job spanning hosts (shm and tcp match messages apart); name the source, or "
+                                 "use PYCOLL_TRANSPORT=tcp")
+            return (self._shm or self._tcp).irecv(view, peer, key, dtype, sink)
         return self._route[peer].irecv(view, peer, key, dtype, sink)
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:

@@ -5,6 +5,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ProtocolError
 
+ANY = -1
+"""The `peer` of a receive from any source (MPI_ANY_SOURCE) until it matched; then the sender's rank."""
+
 Sink = Callable[[memoryview, int], None]
 """Consumes a received payload in place: sink(piece, offset) once or several times, in order; each
 piece starts at byte `offset` of the message, a multiple of 16 (so of every dtype's itemsize)."""
@@ -20,7 +23,8 @@ class MsgKey(NamedTuple):
 class Request:
     """One posted send or receive; `done` flips when the buffer may be reused or read."""
 
-    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle", "sink")
+    __slots__ = ("peer", "key", "view", "nbytes", "dtype", "is_recv", "done", "error", "handle", "sink",
+                 "order")
 
     def __init__(self, peer: int, key: MsgKey, view: memoryview, dtype: int, is_recv: bool,
                  sink: Optional[Sink] = None) -> None:
@@ -30,6 +34,7 @@ class Request:
         self.error: Optional[BaseException] = None
         self.handle: Any = None  # transport-private: a send tracker, an MPI request, ...
         self.sink = sink         # consumes the payload instead of a copy into `view` (see irecv)
+        self.order = 0           # when it was posted, among receives (matching.Matcher, any-source only)
 
     def deliver(self, payload: memoryview, offset: int = 0) -> None:
         """Hand received bytes (size-checked) to the sink, or copy them into the view at `offset`."""
@@ -51,6 +56,8 @@ class Request:
                 "did the ranks call the collective with different sizes or dtypes?", self.peer)
 
     def describe(self) -> str:
+        if self.peer == ANY:
+            return "recv from any rank"
         return f"{'recv from' if self.is_recv else 'send to'} rank {self.peer}"
 
 

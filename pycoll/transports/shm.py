@@ -51,6 +51,7 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import Request, Transport
+from .request import ANY
 from .liveness import PidWatch
 from .matching import Match
 from .capabilities import SharedBoard, SinkReceive
@@ -312,12 +313,12 @@ class ShmTransport(Transport):
                 self._push(p)
 
     def _start_recv(self, req: Request) -> None:
-        p = self._peer(req.peer)
+        p = None if req.peer == ANY else self._peer(req.peer)  # any source: the matcher counts it (wild)
         with self._lock:
             inb = self.matcher.post(req)
             if inb is not None:
                 self._claim(inb, req)
-            elif not req.done:
+            elif not req.done and p is not None:
                 p.expecting += 1
 
     def _peer(self, rank: int) -> _Peer:
@@ -439,7 +440,12 @@ class ShmTransport(Transport):
     def _fail_if_gone(self, reqs: Sequence[Request]) -> bool:
         """After a quiet slice: fail the pending requests whose peer no longer has a doorbell (it died
         or closed), instead of letting them wait for the deadline; True if any was failed."""
-        for peer in {r.peer for r in reqs if not r.done}:
+        peers = set()
+        for r in reqs:
+            if not r.done:  # an any-source receive waits on every local peer
+                peers.update(self.local if r.peer == ANY else (r.peer,))
+        peers.discard(self.rank)
+        for peer in peers:
             try:
                 self._bell.sendto(b"", self._peers[peer].bell)
             except BlockingIOError:
@@ -613,7 +619,7 @@ class ShmTransport(Transport):
         off = rpos & (ring - 1)
         match, nbytes, dtype = p.held or self._header(p, off)  # read only below a head loaded first (_pull)
         first = self.matcher.waiting(match)
-        if first is None and not (drain or p.expecting):
+        if first is None and not (drain or p.expecting or self.matcher.wild):
             p.held = match, nbytes, dtype
             return None
         skip, body = _layout(off, nbytes, ring)
@@ -628,8 +634,9 @@ class ShmTransport(Transport):
             inb.dest = memoryview(bytearray(nbytes))
             self.matcher.stash(match, inb)
             return inb
+        if first.peer != ANY:  # (an any-source receive was never counted on a peer)
+            p.expecting -= 1
         req = self.matcher.take(match)
-        p.expecting -= 1
         req.check_incoming(self.rank, nbytes, dtype)
         if req.error is not None:  # rejected: the payload is read and dropped
             req.done = True

@@ -36,6 +36,7 @@ from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import Request, Transport
+from .request import ANY
 from .capabilities import SinkReceive
 from .matching import fail, fail_all
 from .verbs_device import (LandingPool, MrCache, Port, Registration, SlotPool, load_pyverbs, open_channel,
@@ -276,7 +277,8 @@ class VerbsTransport(Transport):
             if now >= deadline or all(r.done for r in reqs):
                 return all(r.done for r in reqs)
             if now - max(self._last_completion, probed) >= PROBE_AFTER:
-                self._probe_peers({r.peer for r in reqs if not r.done})
+                self._probe_peers({p for r in reqs if not r.done  # any source: every peer
+                                   for p in (range(self.size) if r.peer == ANY else (r.peer,))})
                 probed = now
             self._wait_once(min(deadline - now, PROBE_AFTER), generation)
 
