@@ -129,7 +129,7 @@ def analyse(dumps: Dict[int, dict], live: Optional[Dict[int, dict]] = None) -> D
     live = live or {}
     comms = _comms(dumps)
     ranks = sorted(set(dumps) | set(live) | {r for c in comms.values() for r in c.group})
-    missing = [r for r in ranks if r not in dumps]
+    missing = [r for r in ranks if r not in dumps] if dumps else []
     found = [d for d in (_disagreement(c, dumps, live) for c in comms.values()) if d is not None]
     found.sort(key=lambda d: (d.pop("_t"), d["comm"]))
     return {"ranks": ranks, "dumped": sorted(dumps), "no_dump": missing, "disagreements": found,
@@ -230,47 +230,53 @@ def _skipped(comm: _Comm, seq: int, dumps: Dict[int, dict]) -> List[str]:
         odd = [r for r in ranks if made[r] != usual]
         if odd and len(odd) < len(ranks):
             for r in odd:
+                skipped = f" (it skipped {usual - made[r]})" if made[r] < usual else ""
                 hints.append(f"rank {r} made {made[r]} {call} call(s) from {_short(site)} up to call {seq}, "
-                             f"the other ranks {usual}: it {'skipped' if made[r] < usual else 'added'} "
-                             f"{abs(usual - made[r])}")
+                             f"the other ranks {usual}{skipped}")
     return hints
 
 
 def _deadlocks(comms: Dict[str, _Comm], dumps: Dict[int, dict]) -> List[Dict[str, Any]]:
     """Cycles among the ranks' unfinished calls: r -> p when r waits on p (a pending receive from p, a
-    pending send to p, or a collective still waiting for p)."""
-    edges: Dict[int, List[Tuple[int, str]]] = {}
+    pending send to p, or a collective still waiting for p). A cycle within one collective call is
+    that call's disagreement, already reported; one through a point-to-point call or across calls
+    or communicators is a deadlock of its own."""
+    edges: Dict[int, List[Tuple[int, str, Tuple]]] = {}
     for comm in comms.values():
         for r in dumps:
             for e in comm.p2p.get(r, []):
                 if e["state"] != DONE and e.get("peer") not in (None, -1):
-                    peer = comm.group[e["peer"]]
-                    edges.setdefault(r, []).append((peer, f"{describe_call(e)} on {comm.name}{_at(e)}"))
+                    edges.setdefault(r, []).append((comm.group[e["peer"]], f"{describe_call(e)} on "
+                                                    f"{comm.name}{_at(e)}", ("p2p", comm.id, r, e["seq"])))
             for e in comm.calls.get(r, {}).values():
-                for p in e.get("waiting_for") or []:
-                    if e["state"] != DONE:
+                if e["state"] != DONE:
+                    for p in e.get("waiting_for") or []:
                         edges.setdefault(r, []).append((p, f"{describe_call(e)} call {e['seq']} on "
-                                                            f"{comm.name}{_at(e)}"))
+                                                        f"{comm.name}{_at(e)}", (comm.id, e["seq"])))
     cycles, seen = [], set()
     for start in sorted(edges):
-        path: List[Tuple[int, str]] = []
-        cycle = _cycle(start, edges, path, set())
-        if cycle and frozenset(r for r, _ in cycle) not in seen:
-            seen.add(frozenset(r for r, _ in cycle))
-            text = " while ".join(f"rank {r} waits in {how} for rank {nxt}"
-                                  for (r, how), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
-            cycles.append({"ranks": [r for r, _ in cycle], "text": f"deadlock: {text}"})
+        cycle = _cycle(start, edges, [], set())
+        if not cycle or frozenset(r for r, _ in cycle) in seen:
+            continue
+        kinds = {what for _, (_, _, what) in cycle}
+        if len(kinds) == 1 and next(iter(kinds))[0] != "p2p":
+            continue
+        seen.add(frozenset(r for r, _ in cycle))
+        text = " while ".join(f"rank {r} waits in {how} for rank {nxt}" for r, (nxt, how, _) in cycle)
+        cycles.append({"ranks": sorted(r for r, _ in cycle), "text": f"deadlock: {text}"})
     return cycles
 
 
-def _cycle(node: int, edges: Dict[int, List[Tuple[int, str]]], path: List[Tuple[int, str]],
-           on_path: set) -> Optional[List[Tuple[int, str]]]:
-    for peer, how in edges.get(node, []):
+def _cycle(node: int, edges: Dict[int, List[Tuple[int, str, Tuple]]], path: List[Tuple[int, Tuple]],
+           on_path: set) -> Optional[List[Tuple[int, Tuple]]]:
+    """A cycle through `node` reached along `path`, as [(rank, the edge it waits on)]."""
+    for edge in edges.get(node, []):
+        peer = edge[0]
         if peer in on_path or peer == node:
             start = next((i for i, (r, _) in enumerate(path) if r == peer), len(path))
-            return path[start:] + [(node, how)]
+            return path[start:] + [(node, edge)]
         if peer in edges and len(path) < 64:
-            found = _cycle(peer, edges, path + [(node, how)], on_path | {node})
+            found = _cycle(peer, edges, path + [(node, edge)], on_path | {node})
             if found:
                 return found
     return None
@@ -281,26 +287,31 @@ def render(verdict: Dict[str, Any], folder: str = "") -> str:
     lines = [f"pycoll trace{' ' + folder if folder else ''}: {len(verdict['ranks'])} rank(s); dumps from "
              f"{_ranks(verdict['dumped']) if verdict['dumped'] else 'no rank'}"
              + (f"; no dump from {_ranks(verdict['no_dump'])}" if verdict["no_dump"] else "")]
+    if not verdict["dumped"]:
+        lines.append("no disagreement: no rank dumped (no pycoll error, signal or uncaught exception)")
+        return "\n".join(lines)
     if not verdict["disagreements"] and not verdict["deadlocks"]:
         lines.append("no disagreement: every rank that dumped holds the same calls, all completed")
         return "\n".join(lines)
+    for cyc in verdict["deadlocks"]:
+        lines.append(cyc["text"].replace("deadlock:", "DEADLOCK:", 1))
     for i, d in enumerate(verdict["disagreements"]):
-        head = "FIRST DISAGREEMENT" if i == 0 else "also"
+        head = "also" if i or verdict["deadlocks"] else "FIRST DISAGREEMENT"
         exp = d["expected"]
         entered = (f": {describe_call(exp)} entered by {_ranks(d['agree'])}{_at(exp)}" if exp else "")
         lines.append(f"{head}: {d['comm']} call {d['seq']}{entered}")
         lines.extend(f"  {c['text']}" for c in d["culprits"])
         lines.extend(f"  hint: {h}" for h in d["hints"])
-    for cyc in verdict["deadlocks"]:
-        lines.append(cyc["text"])
     return "\n".join(lines)
 
 
 def culprit_ranks(verdict: Dict[str, Any]) -> List[int]:
-    """The ranks the first disagreement (or the first deadlock) blames."""
+    """The ranks a deadlock, or else the first disagreement, blames."""
+    if verdict["deadlocks"]:
+        return sorted(verdict["deadlocks"][0]["ranks"])
     if verdict["disagreements"]:
         return sorted({c["rank"] for c in verdict["disagreements"][0]["culprits"] if c["kind"] != "waiting"})
-    return sorted(verdict["deadlocks"][0]["ranks"]) if verdict["deadlocks"] else []
+    return []
 
 
 def chrome_trace(dumps: Dict[int, dict]) -> Dict[str, Any]:

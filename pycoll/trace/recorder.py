@@ -234,15 +234,24 @@ def _frames(frame: Any) -> List[str]:
 
 
 def _user_frame(frame: Any) -> Optional[str]:
-    """The innermost frame of a stack that is outside pycoll, as 'file:line in function'."""
+    """Where a stack is in the user's code, as 'file:line in function': the caller of its outermost
+    pycoll frame (a rank blocked in a call), else its innermost frame (a rank in its own code)."""
+    stack = []
     while frame is not None:
-        name = frame.f_code.co_filename
+        stack.append(frame)
+        frame = frame.f_back
+    flags = []
+    for f in stack:
+        name = f.f_code.co_filename
         inside = _internal.get(name)
         if inside is None:
             inside = _internal[name] = _is_internal(name)
-        if not inside and not name.startswith("<") and "threading.py" not in name:
-            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
+        flags.append(inside)
+    outermost = max((i for i, inside in enumerate(flags) if inside), default=-1)
+    for f, inside in zip(stack[outermost + 1:], flags[outermost + 1:]):
+        name = f.f_code.co_filename
+        if not inside and not name.startswith("<") and not name.endswith("threading.py"):
+            return f"{name}:{f.f_lineno} in {f.f_code.co_name}"
     return None
 
 
