@@ -347,7 +347,7 @@ class _Process:
         """Write every communicator's ring to `path` (default PYCOLL_TRACE_DIR/rank<R>.json); return
         the path, or None without a folder. `frame`: where the main thread is (a signal's frame)."""
         path = path or (os.path.join(self.folder, f"rank{self.rank}.json") if self.folder else None)
-        if path is None:
+        if path is None or self.rank is None:  # no folder, or nothing recorded (PYCOLL_TRACE_BUFFER=0)
             return None
         if frame is None and stack is None:
             frame = sys._getframe(1)
@@ -379,7 +379,8 @@ def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int]) -
 
 
 def dump(path: Optional[str] = None, reason: str = "requested") -> Optional[str]:
-    """Write this process's flight recorder now (to `path`, or PYCOLL_TRACE_DIR/rank<R>.json)."""
+    """Write this process's flight recorder now (to `path`, or PYCOLL_TRACE_DIR/rank<R>.json); the
+    path, or None when there is nowhere to write or recording is off."""
     return PROCESS.dump(reason, frame=sys._getframe(1), path=path)
 
 
