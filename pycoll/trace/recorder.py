@@ -14,6 +14,7 @@ that is how `pycoll run` detects a job that makes no progress and prints its liv
 """
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -266,7 +267,8 @@ class _Process:
         self.live_map: Optional[mmap.mmap] = None
         self.slots = 0
         self.hooked = False
-        self.lock = threading.Lock()  # guards set-up and dump writing, never the hot path
+        self.lock = threading.RLock()  # guards set-up and dump writing, never the hot path
+        self.dumps = itertools.count()
 
     def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int]) -> Optional[Recorder]:
         """A Recorder for a new communicator (None with PYCOLL_TRACE_BUFFER=0); the first one fixes
@@ -362,11 +364,15 @@ class _Process:
                 "threads": {threads.get(ident, str(ident)): at for ident, at in
                             ((i, _user_frame(f)) for i, f in sys._current_frames().items()) if at},
                 "comms": [r.describe() for r in recs]}
-        with self.lock:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as out:
-                json.dump(data, out, separators=(",", ":"), default=str)
-            os.replace(tmp, path)
+        tmp = f"{path}.{os.getpid()}.{next(self.dumps)}.tmp"  # unique: a signal may dump inside a dump
+        try:
+            with self.lock:
+                with open(tmp, "w") as out:
+                    json.dump(data, out, separators=(",", ":"), default=str)
+                os.replace(tmp, path)
+        except OSError as e:  # a full disk must not hide the error that asked for the dump
+            print(f"pycoll: rank {self.rank}: cannot write the flight recorder's dump {path}: {e}", file=sys.stderr)
+            return None
         return path
 
 
