@@ -70,7 +70,9 @@ def _is_internal(filename: str) -> bool:
 
 
 def _site(entry: List[Any], depth: int) -> None:
-    """Store the file and line of the first frame outside pycoll (and torch) in `entry`."""
+    """Store the code object and instruction offset of the first frame outside pycoll (and torch)
+    in `entry`: the line number is worked out from them only when a dump is written (f_lineno
+    decodes the line table, which costs more than the rest of recording together)."""
     try:
         f: Any = sys._getframe(depth)
     except ValueError:
@@ -78,14 +80,21 @@ def _site(entry: List[Any], depth: int) -> None:
     known = _internal
     while f is not None:
         code = f.f_code
-        name = code.co_filename
-        inside = known.get(name)
+        inside = known.get(code.co_filename)
         if inside is None:
-            inside = known[name] = _is_internal(name)
+            inside = known[code.co_filename] = _is_internal(code.co_filename)
         if not inside:
-            entry[FILE], entry[LINE] = name, f.f_lineno
+            entry[FILE], entry[LINE] = code, f.f_lasti
             return
         f = f.f_back
+
+
+def _line(code: Any, lasti: int) -> Optional[int]:
+    """The source line of instruction offset `lasti` in `code`."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line
+    return code.co_firstlineno
 
 
 class Recorder:
@@ -108,7 +117,7 @@ class Recorder:
         """Record that call number `seq` was entered (QUEUED behind earlier work, or STARTED)."""
         t = _time()
         e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t, 0.0, None, 0, None, None]
-        _site(e, 2)
+        _site(e, 4)  # _site, enter, Communicator._run, the collective's method: the user's frame at the nearest
         n = self._n
         self._ring[n % self.capacity] = e
         self._n = n + 1
@@ -156,8 +165,9 @@ class Recorder:
         if self._live is not None and e[CALL] not in P2P_CALLS:
             self._live[self._base + _C_FAILED] = e[SEQ]
         if isinstance(error, (TimeoutError, PeerError)):
+            where = None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])} in {e[FILE].co_name}"
             PROCESS.dump(f"{type(error).__name__} in {e[CALL]} (call {e[SEQ]} on {self.name})",
-                         where=(e[FILE], e[LINE]), error=e[ERROR])
+                         where=where, error=e[ERROR])
 
     def traced(self, e: list, body: Any) -> Any:
         """`body(ch)` of a queued call, recording when it starts and how it ends."""
@@ -202,7 +212,7 @@ def _entry_json(e: list) -> Dict[str, Any]:
         out.update(op=None if third is None else getattr(third, "value", str(third)), root=fourth,
                    algo=_algo_name(e[ALGO]))
     out.update(state=STATES[e[STATE]], enter=e[T_ENTER], start=e[T_START], end=e[T_END] or None,
-               site=None if e[FILE] is None else f"{e[FILE]}:{e[LINE]}")
+               site=None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])}")
     if e[PEERS] is not None:
         out["waiting_for"] = e[PEERS]
     if e[ERROR] is not None:
@@ -344,7 +354,7 @@ class _Process:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def dump(self, reason: str, *, frame: Any = None, stack: Optional[List[str]] = None, where: Any = None,
+    def dump(self, reason: str, *, frame: Any = None, stack: Optional[List[str]] = None, where: Optional[str] = None,
              error: Optional[str] = None, path: Optional[str] = None) -> Optional[str]:
         """Write every communicator's ring to `path` (default PYCOLL_TRACE_DIR/rank<R>.json); return
         the path, or None without a folder. `frame`: where the main thread is (a signal's frame)."""
@@ -353,8 +363,6 @@ class _Process:
             return None
         if frame is None and stack is None:
             frame = sys._getframe(1)
-        if isinstance(where, tuple):
-            where = None if where[0] is None else f"{where[0]}:{where[1]}"
         threads = {t.ident: t.name for t in threading.enumerate()}
         recs = sorted(list(self.recorders), key=lambda r: r.last_time(), reverse=True)[:MAX_DUMP_COMMS]
         data = {"pycoll_trace": FORMAT, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
