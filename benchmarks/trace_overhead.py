@@ -6,8 +6,9 @@ Every rank makes two duplicates of the world communicator: one built with PYCOLL
 (recording off) and one with the default ring (on; under `pycoll run` PYCOLL_TRACE_DIR is set, so
 the live file is updated too). Each round times a batch of calls on one, then on the other, the order
 alternating round by round, so drift in the machine's load hits both alike. Rank 0 prints, per size,
-the median over rounds of the batch's mean call time, the spread (25th-75th percentile of the rounds)
-and on/off. A second table times the recording alone (enter + complete, call site included) in a loop.
+the median over rounds of the batch's mean call time, the spread (25th-75th percentile of the rounds),
+on/off of the medians, and the median of the rounds' on/off ratios (each on batch against the off
+batch next to it, which cancels slow drift in a noisy machine's load). A second table times the recording alone (enter + complete, call site included) in a loop.
 """
 from __future__ import annotations
 
@@ -72,13 +73,17 @@ def main() -> None:
     if world.rank == 0:
         print(f"allreduce, {world.size} ranks over {world.transport.name}, {args.rounds} interleaved rounds "
               f"(PYCOLL_TRACE_DIR {'set' if os.environ.get('PYCOLL_TRACE_DIR') else 'unset'})")
-        print("| size | recorder off: median us (IQR) | recorder on: median us (IQR) | on/off |")
-        print("|---|---|---|---|")
+        print("| size | recorder off: median us (IQR) | recorder on: median us (IQR) | on/off of medians "
+              "| on/off paired by round: median (IQR) |")
+        print("|---|---|---|---|---|")
         for nbytes, runs in results.items():
             m_off, m_on = statistics.median(runs["off"]), statistics.median(runs["on"])
+            ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
+            q = statistics.quantiles(ratios, n=4)
             label = "8 B" if nbytes == 8 else "1 MiB"
             print(f"| {label} | {m_off * 1e6:.1f} ({_quartiles(runs['off'])}) | {m_on * 1e6:.1f} "
-                  f"({_quartiles(runs['on'])}) | {m_on / m_off:.3f} |")
+                  f"({_quartiles(runs['on'])}) | {m_on / m_off:.3f} | {statistics.median(ratios):.3f} "
+                  f"({q[0]:.3f}-{q[2]:.3f}) |")
         alone = statistics.median(_record_alone(20000) for _ in range(5))
         print(f"\nrecording alone (enter + complete, call site included): {alone * 1e9:.0f} ns per call")
     for comm in (on, off):
