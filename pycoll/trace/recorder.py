@@ -53,8 +53,8 @@ MAX_DUMP_COMMS = 64  # a dump holds at most this many communicators (the most re
 MAX_TEXT = 600  # error messages are cut to this many characters in a dump
 MAX_FRAMES = 24  # stack frames kept per thread in a dump
 
-_PYCOLL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_OUTSIDE = (os.path.join(_PYCOLL_DIR, "trainer") + os.sep,)  # pycoll's own applications count as user code
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OUTSIDE = (os.path.join(_PACKAGE_DIR, "trainer") + os.sep,)  # pycoll's own applications count as user code
 _internal: Dict[str, bool] = {}  # code file name -> inside pycoll (or torch.distributed)?
 _time = time.time
 
@@ -62,7 +62,7 @@ _time = time.time
 def _is_internal(filename: str) -> bool:
     """Whether a frame of `filename` is library code that a call site should look past."""
     path = os.path.abspath(filename) if not filename.startswith("<") else filename
-    if path.startswith(_PYCOLL_DIR) and not path.startswith(_OUTSIDE):
+    if path.startswith(_PACKAGE_DIR) and not path.startswith(_OUTSIDE):
         return True
     torch = sys.modules.get("torch")
     torch_dir = os.path.dirname(getattr(torch, "__file__", None) or "") if torch is not None else ""
