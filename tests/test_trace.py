@@ -265,3 +265,39 @@ def test_uncaught_exception_dumps(tmp_path: Path) -> None:
     v = verdict_of(folder)
     culprit = v["disagreements"][0]["culprits"][0]
     assert (culprit["rank"], culprit["kind"], v["disagreements"][0]["seq"]) == (1, "never_entered", 2), v
+
+
+def _torch_job(rank: int, size: int, store_path: str, folder: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    import pycoll.torch  # noqa: F401  (registers "pycoll")
+    from pycoll.trace import recorder
+    dist.init_process_group("pycoll", store=dist.FileStore(store_path, size), rank=rank, world_size=size)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    if rank == 0:
+        dist.send(t, 1, tag=5)
+    else:
+        dist.recv(t, 0, tag=5)
+    dist.barrier()
+    path = recorder.dump(os.path.join(folder, f"rank{rank}.json"))
+    dist.destroy_process_group()
+    return json.loads(Path(path).read_text())
+
+
+@pytest.mark.timeout(120)
+def test_torch_backend_calls_are_recorded(tmp_path: Path) -> None:
+    """Calls through torch.distributed's "pycoll" backend land in the recorder with the user's line
+    (past torch's own frames)."""
+    pytest.importorskip("torch")
+    dumps = run_ranks(_torch_job, 2, 2, str(tmp_path / "store"), str(tmp_path), init=False,
+                      env={"PYCOLL_TUNER": "static"})
+    for rank, dump in enumerate(dumps):
+        calls = [c for comm in dump["comms"] for c in comm["calls"]]
+        names = [c["call"] for c in calls]
+        assert "allreduce" in names and "broadcast" in names and "barrier" in names, names
+        assert ("isend" if rank == 0 else "irecv") in names, names
+        for c in calls:
+            if c["call"] in ("allreduce", "broadcast", "isend", "irecv"):
+                assert c["site"].startswith(__file__) and c["state"] == "completed", c
