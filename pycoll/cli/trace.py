@@ -6,7 +6,7 @@ import json
 import sys
 from typing import List
 
-from ..trace import analysis
+from ..trace import analysis, chrome
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +43,7 @@ def main(argv: List[str]) -> int:
         return 2
     verdict = analysis.analyse(dumps, live)
     if args.chrome:
-        with open(args.chrome, "w") as out:
-            json.dump(analysis.chrome_trace(dumps), out)
+        chrome.write(analysis.chrome_trace(dumps), args.chrome)
     if args.json:
         print(json.dumps(verdict, indent=1, default=str))
     else:

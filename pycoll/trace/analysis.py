@@ -21,6 +21,7 @@ import re
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import chrome
 from .recorder import read_live
 
 DONE = "completed"
@@ -314,25 +315,24 @@ def culprit_ranks(verdict: Dict[str, Any]) -> List[int]:
     return []
 
 
-def chrome_trace(dumps: Dict[int, dict]) -> Dict[str, Any]:
-    """Every rank's recorded calls as a Chrome trace (Perfetto, chrome://tracing): one process per
-    rank, one thread per communicator; unfinished calls last until the rank's dump."""
+def chrome_trace(dumps: Dict[int, dict]) -> List[Dict[str, Any]]:
+    """Every rank's recorded calls as Chrome trace events (chrome.write saves them): one process per
+    rank, one track per communicator; unfinished calls last until the rank's dump."""
     events: List[Dict[str, Any]] = []
     for rank, dump in sorted(dumps.items()):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        events.append(chrome.process(rank, f"rank {rank}"))
         for tid, c in enumerate(dump.get("comms", []), start=1):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": c["name"]}})
+            events.append(chrome.thread(rank, tid, c["name"]))
             for e in c["calls"]:
                 end = e.get("end") or dump["time"]
                 args = {k: e[k] for k in ("seq", "dtype", "count", "op", "root", "peer", "tag", "algo", "state",
                                           "site", "waiting_for", "error") if e.get(k) is not None}
                 name = e["call"] if e.get("p2p") else f"{e['call']} #{e['seq']}"
-                events.append({"ph": "X", "name": name, "cat": c["name"], "pid": rank, "tid": tid,
-                               "ts": e["start"] * 1e6, "dur": max(0.0, end - e["start"]) * 1e6, "args": args})
+                events.append(chrome.span(name, rank, tid, e["start"], end - e["start"], c["name"], args))
                 if e["start"] > e["enter"]:
-                    events.append({"ph": "X", "name": f"{name} (queued)", "cat": c["name"], "pid": rank,
-                                   "tid": tid, "ts": e["enter"] * 1e6, "dur": (e["start"] - e["enter"]) * 1e6})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+                    events.append(chrome.span(f"{name} (queued)", rank, tid, e["enter"], e["start"] - e["enter"],
+                                              c["name"]))
+    return events
 
 
 def live_view(folder: str, ranks: Optional[Sequence[int]] = None) -> List[str]:
