@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Dict, List, Optional
+from typing import IO, Dict, List
 
 from ..bootstrap.store import TCPStoreServer
 from ..bootstrap.token import draw, env_token
@@ -224,8 +224,8 @@ class _Job:
             self._stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self.private_trace and not self.failed:
-                shutil.rmtree(self.trace_dir, ignore_errors=True)
+            if self.private_trace and not (self.failed and analysis.dump_ranks(self.trace_dir)):
+                shutil.rmtree(self.trace_dir, ignore_errors=True)  # kept only while it holds a failure's dumps
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
