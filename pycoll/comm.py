@@ -16,6 +16,7 @@ from .ids import comm_hash
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .selection import Selector, resolve
 from .topology import Topology
+from .trace import recorder
 from .transports.base import ANY, MsgKey, Transport
 from .transports.capabilities import Board, SharedBoard
 from .work import Work, Worker
@@ -94,6 +95,8 @@ class Communicator:
         self._ranks: Optional[dict] = None  # transport rank -> communicator rank, made on first need
         self._subgroups: set = set()  # (name, ranks) of the subgroups made here
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
+        self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group)  # flight recorder
+        self._chosen: Optional[Callable] = None  # the algorithm picked for the call about to _run
         self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 
     # -- identity ---------------------------------------------------------------------------------
@@ -143,13 +146,25 @@ class Communicator:
         timeout = self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
+        rec, algo, self._chosen = self._recorder, self._chosen, None
         with self._seq_lock:
             ch = self.channel(collective, timeout)
             busy = self._inflight > 0
             if async_op or busy:  # behind queued async work, blocking calls queue too: call order holds
                 self._inflight += 1
+            entry = None if rec is None else rec.enter(ch.seq, collective, fingerprint, algo, async_op or busy)
         if not (async_op or busy):
-            return body(ch)
+            if entry is None:
+                return body(ch)
+            try:
+                result = body(ch)
+            except BaseException as e:
+                rec.fail(entry, e)
+                raise
+            rec.complete(entry)
+            return result
+        if entry is not None:
+            body = rec.traced(entry, body)
         work = self._submit(ch.what, lambda: body(ch))
         return work if async_op else work.result()
 
@@ -201,7 +216,8 @@ class Communicator:
         return (self.board.slot_bytes, self.board.stage_bytes) if self.board is not None else (0, 0)
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
-        return self.selector.function(collective, nbytes, self.topology, algo)
+        self._chosen = self.selector.function(collective, nbytes, self.topology, algo)  # for the recorder
+        return self._chosen
 
     # -- validation -------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
@@ -496,8 +512,7 @@ class Communicator:
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
         """Send `x` to rank `dst`; matched by (source, tag) in order, like MPI_Send."""
-        req, limit, what = self._post_p2p("send", x, dst, tag, timeout)
-        self.transport.wait([req], limit, what)
+        self._wait_p2p(*self._post_p2p("send", x, dst, tag, timeout))
 
     def recv(self, x: Any, src: Optional[int] = ANY_SOURCE, tag: int = 0, *, timeout: Optional[float] = None,
              status: Optional[Status] = None) -> Any:
@@ -505,8 +520,8 @@ class Communicator:
 
         `src` None or ANY_SOURCE takes the first message with `tag` from any rank (MPI_ANY_SOURCE);
         pass a `Status` to learn who sent it (status.source, as mpi4py does)."""
-        req, limit, what = self._post_p2p("recv", x, src, tag, timeout)
-        self.transport.wait([req], limit, what)
+        req, limit, what, entry = self._post_p2p("recv", x, src, tag, timeout)
+        self._wait_p2p(req, limit, what, entry)
         if status is not None:
             status._fill(self._source(req), int(tag), req.nbytes)
         return x
@@ -547,8 +562,10 @@ class Communicator:
                              "'irecv'")
         return kind, op.buf, op.peer, op.tag
 
-    def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]) -> Tuple[Any, float, str]:
-        """Validate a point-to-point call and post it: (request, its deadline in s, what it is called)."""
+    def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]
+                  ) -> Tuple[Any, float, str, Optional[list]]:
+        """Validate a point-to-point call and post it: (request, its deadline in s, what it is called,
+        its flight-recorder entry)."""
         return self._start_p2p(*self._check_p2p(call, x, peer, tag, timeout))
 
     def _check_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]
@@ -568,13 +585,26 @@ class Communicator:
         return call, x, arr, peer, key, limit, what
 
     def _start_p2p(self, call: str, x: Any, arr: np.ndarray, peer: int, key: MsgKey, limit: float,
-                   what: str) -> Tuple[Any, float, str]:
+                   what: str) -> Tuple[Any, float, str, Optional[list]]:
+        rec = self._recorder
+        entry = None if rec is None else rec.enter_p2p(call, (arr.dtype, arr.size, peer, key.tag))
         if call.endswith("send"):
             req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
         else:
             target = ANY if peer == ANY_SOURCE else self.group[peer]
             req = self.transport.irecv(byte_view(arr), target, key, dtype_code(arr.dtype))
-        return req, limit, what
+        return req, limit, what, entry
+
+    def _wait_p2p(self, req: Any, limit: float, what: str, entry: Optional[list]) -> None:
+        """Wait for a posted point-to-point request, telling the flight recorder how it ended."""
+        if entry is None:
+            return self.transport.wait([req], limit, what)
+        try:
+            self.transport.wait([req], limit, what)
+        except BaseException as e:
+            self._recorder.fail(entry, e)
+            raise
+        self._recorder.complete_p2p(entry)
 
     def _source(self, req: Any) -> Optional[int]:
         """The communicator rank a completed request went to or came from (None while an any-source
@@ -585,14 +615,14 @@ class Communicator:
             self._ranks = {g: r for r, g in enumerate(self.group)}
         return self._ranks[req.peer]
 
-    def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> "P2PWork":
+    def _p2p_work(self, req: Any, limit: float, what: str, entry: Optional[list], result: Any) -> "P2PWork":
         """A Work finishing when the posted request `req` does, waited for on the p2p worker (in
         posting order, off the collectives' worker so neither stalls the other)."""
         if self._p2p_worker is None:
             self._p2p_worker = Worker(f"pycoll-{self.name}-p2p")
 
         def finish() -> Any:
-            self.transport.wait([req], limit, what)
+            self._wait_p2p(req, limit, what, entry)
             return result
         work = self._p2p_worker.submit(what, finish)
         return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes)

@@ -132,6 +132,12 @@ _VARS = [
         "`WARN`: warnings only; `INFO` (or `TRACE`): the tuner's calibration and each choice with its predicted time; `DETAIL`: "
         "before every collective all ranks compare (collective, dtype, count, op, root) and raise "
         "`pycoll.MismatchError` naming the first differing rank; every rank must set the same"),
+    Var("PYCOLL_TRACE_DIR", PATH, None,
+        "folder of the flight recorder: each rank writes `rank<R>.json` there when a pycoll error ends a "
+        "call, on SIGUSR1 or SIGTERM and after an uncaught exception, and keeps `rank<R>.live` (its "
+        "progress) up to date; read them with `pycoll trace DIR` (`pycoll run` sets it)"),
+    Var("PYCOLL_TRACE_BUFFER", integer(0), "2000",
+        "calls each communicator's flight recorder keeps (a ring); `0` turns recording off"),
     # -- where ranks are ---------------------------------------------------------------------
     Var("PYCOLL_TOPO_FILE", PATH, None,
         "JSON that declares hosts, NUMA nodes, NICs, RDMA devices and link speeds (docs/topology.md)"),

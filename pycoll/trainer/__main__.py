@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from .loop import ConfigError, train
 from .optim import OPTIMIZERS
 from .report import Console, summary_lines
 from .schema import TrainConfig
-from .timeline import draw_timeline
+from .timeline import chrome_timeline, draw_timeline
 
 
 def parse_straggler(text: str) -> Tuple[int, float]:
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1-rank throughput (samples/s) for the scaling efficiency; default: measured in this run")
     p.add_argument("--blas-threads", type=int, default=d.blas_threads, metavar="T",
                    help=f"BLAS threads per rank (default {d.blas_threads}, as torchrun sets OMP_NUM_THREADS)")
-    p.add_argument("--timeline", metavar="OUT.png", help="draw each rank's steps (compute / comm / wait)")
+    p.add_argument("--timeline", metavar="OUT.png",
+                   help="draw each rank's last steps (compute / comm / wait), and write all steps beside it as "
+                        "OUT.trace.json, a Chrome trace for https://ui.perfetto.dev or chrome://tracing")
     return p
 
 
@@ -93,7 +96,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 straggler = f", rank {cfg.straggler[0]} +{cfg.straggler[1]:g} ms/step" if cfg.straggler else ""
                 draw_timeline(result.records, args.timeline, f"pycoll.trainer: {comm.size} rank(s), "
                               f"global batch {cfg.batch_size}, buckets of {cfg.bucket_kb:g} KiB{straggler}")
-                print(f"timeline written to {args.timeline}")
+                trace = os.path.splitext(args.timeline)[0] + ".trace.json"
+                chrome_timeline(result.records, trace)
+                print(f"timeline written to {args.timeline} (all steps as a Chrome trace: {trace})")
     return 0
 
 
