@@ -7,6 +7,7 @@ receive is a ProtocolError. What a transport offers beyond that is declared in `
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -102,9 +103,10 @@ class Transport(ABC):
 
     # -- fault tolerance (pycoll/ft.py): the matcher does the work, under the transport's lock -------
     def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
-        """(lock, matcher) pairs whose matcher holds this transport's requests; a transport that
-        is `resilient` returns its own lock (AutoTransport: both parts')."""
-        raise NotImplementedError(f"the {self.name} transport cannot survive a dead rank")
+        """(lock, matcher) pairs whose matcher holds this transport's requests, each with the lock
+        that guards it (AutoTransport: both parts'). Only a `resilient` transport is revoked,
+        settled or restored (ft.py checks); for the others this answers that nothing was."""
+        return [(contextlib.nullcontext(), self.matcher)]
 
     def revoke(self, root: int, peers: Iterable[int]) -> None:
         """Revoke communicator `root` here (its pending and later requests fail with RevokedError)

@@ -54,7 +54,7 @@ class Matcher(Generic[A]):
         self.wild = 0                               # any-source receives posted, not yet matched
         self._posts = 0                             # receives numbered while any-source ones wait
         self._arrivals = 0
-        self.dead: Set[int] = set()                 # peers whose death was seen here or agreed on
+        self.dead: Dict[int, PeerError] = {}        # peers whose death was seen here or agreed on -> its error
         self.settled: Set[int] = set()              # ... and those the survivors agreed on (settle)
         self.revoked: Dict[int, RevokedError] = {}  # root communicator id -> the error its requests get
         self.restored: Set[int] = set()             # root ids that `broken` does not stop
@@ -159,7 +159,7 @@ class Matcher(Generic[A]):
     def admit(self, req: Request, what: str) -> bool:
         """False (and `req` failed) if its peer is gone, its communicator revoked or the job broken;
         `what` is 'send to' or 'receive from', for the error."""
-        if self.broken is None and not self.revoked and req.peer not in self.gone:
+        if self.broken is None and not self.revoked and req.peer not in self.gone and req.peer not in self.dead:
             return True
         error = self.refusal(req, what)
         if error is None:
@@ -171,6 +171,8 @@ class Matcher(Generic[A]):
         """Why `req` may not start (None: it may): its peer is gone; its communicator is revoked or
         the job broken, unless it is agreement or notice traffic (only a gone peer stops those)."""
         peer = req.peer
+        if peer in self.dead:
+            return self.dead[peer]
         if peer in self.gone:
             return PeerError(f"rank {self.rank}: cannot {what} rank {peer}: {self.gone[peer]}", peer, self.dead)
         comm_id = req.key.comm_id
@@ -207,8 +209,7 @@ class Matcher(Generic[A]):
         if peer in self.dead:
             return []
         if peer is not None:
-            self.dead.add(peer)
-            self.gone.setdefault(peer, "it died")
+            self.dead[peer] = error
         error.ranks = sorted(self.dead)
         if self.broken is None or self.broken.peer in self.settled:  # the first death not yet dealt with
             self.broken = error
@@ -225,9 +226,9 @@ class Matcher(Generic[A]):
         if not new:
             return []
         self.settled |= new
-        self.dead |= new
         for p in new:
-            self.gone.setdefault(p, "the survivors agreed that it died")
+            self.dead.setdefault(p, PeerError(f"rank {self.rank}: the survivors agreed that rank {p} died", p,
+                                              set(self.dead) | new))
         error = PeerError(f"rank {self.rank}: the survivors agreed that ranks {sorted(new)} died", min(new), self.dead)
         failed = self._pop_posted(lambda m: m[0] in new)
         for req in failed:
