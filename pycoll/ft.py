@@ -192,7 +192,8 @@ def _agree(comm: "Communicator", transport: Transport, flag: bool, number: int, 
     for rnd in itertools.count(1):
         state[_DECIDED] = decided
         key = MsgKey(ctl, instance, rnd)
-        sends = [transport.isend(byte_view(state), group[p], key, _CODE) for p in sorted(alive)]
+        sent = state.copy()  # a send may go out later (a full ring, flow control) while `state` changes
+        sends = [transport.isend(byte_view(sent), group[p], key, _CODE) for p in sorted(alive)]
         if decided:
             transport.wait_for(sends, max(0.0, min(1.0, deadline - time.monotonic())))
             return _decision(state, n, known, dead, numbers)
@@ -221,6 +222,9 @@ def _agree(comm: "Communicator", transport: Transport, flag: bool, number: int, 
             decided = True
         elif heard == before:
             decided = True
+        import os, sys
+        if os.environ.get("FTDEBUG"):
+            print(f"FT {time.monotonic():.3f} r{group[me]} {comm.name} inst {instance} rnd {rnd} heard {sorted(heard)} before {sorted(before)} adopt {adopt is not None} dec {decided} known {list(state[known])} dead {list(state[dead])}", file=sys.stderr, flush=True)
         before = heard
     raise AssertionError("unreachable")
 

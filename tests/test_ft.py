@@ -40,8 +40,10 @@ def _killed_at(tmp, name):
 
 
 def _step(comm, x):
-    """The issue's loop, once: True if the step completed everywhere; `comm` may come back shrunk."""
+    """The issue's loop, once: True if the step completed everywhere; `comm` may come back shrunk
+    (a rank that died after the step completed still counted in it: check against `ran_on`)."""
     import pycoll
+    _step.ran_on = list(comm.group)
     try:
         comm.allreduce(x)
         ok = True
@@ -122,15 +124,15 @@ def test_revoke_from_one_thread_while_another_is_blocked(transport):
 
 
 def _revoke_races_death(comm, tmp):
+    """Step 1: rank 3 dies at about the moment rank 1 revokes (the others may see either first)."""
     import pycoll
-    x = np.ones(1 << 14, np.float64)
-    comm.allreduce(x)
-    if comm.rank == 3:
-        _die(tmp, "victim")
-    if comm.rank == 1:
-        comm.revoke()  # at about the moment rank 3 dies
-    errors = set()
-    while True:
+    errors, step = set(), 0
+    while step < 2:
+        if step == 1 and comm.group[comm.rank] == 3:
+            _die(tmp, "victim")
+        if step == 1 and comm.group[comm.rank] == 1 and not errors:
+            errors.add("revoked it")
+            comm.revoke()
         x = np.full(1 << 14, comm.group[comm.rank] + 1, np.float64)
         try:
             comm.allreduce(x)
@@ -142,8 +144,8 @@ def _revoke_races_death(comm, tmp):
         ok, dead = comm.agree(ok)
         if dead:
             comm = comm.shrink()
-        if ok:
-            return sorted(errors), comm.size, list(comm.group), float(x[0])
+        step += ok
+    return sorted(errors), comm.size, list(comm.group), float(x[0])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -173,8 +175,8 @@ def _kill_recover_loop(comm, victims, every, tmp, nbytes):
         comm, ok, _ = _step(comm, x)
         if not ok:
             continue  # redo the step that failed
-        expect = sum(g + 1 for g in comm.group) * (step + 1)
-        assert np.all(x == expect), (step, x[0], expect, comm.group)
+        expect = sum(g + 1 for g in _step.ran_on) * (step + 1)
+        assert np.all(x == expect), (step, x[0], expect, _step.ran_on, comm.group)
         if pending is not None:
             recoveries.append((pending, comm.size, time.monotonic() - _killed_at(tmp, f"kill{pending}")))
             pending = None
@@ -225,6 +227,7 @@ def _killed_during(comm, collective, algo, tmp):
     failures = 0
     while time.monotonic() < deadline:
         x = np.full(n * comm.size, comm.group[comm.rank] + 1, np.float32)
+        ran_on = list(comm.group)
         try:
             call = getattr(comm, collective)
             kwargs = {} if algo is None or collective not in ("allreduce", "broadcast") else {"algo": algo}
@@ -239,9 +242,9 @@ def _killed_during(comm, collective, algo, tmp):
         failures += not ok
         if ok and failures:
             if collective == "allreduce":
-                assert np.all(x == sum(g + 1 for g in comm.group)), (x[0], comm.group)
+                assert np.all(x == sum(g + 1 for g in ran_on)), (x[0], ran_on)
             elif collective == "allgather":
-                assert [int(v) for v in np.asarray(result)[:, 0]] == [g + 1 for g in comm.group]
+                assert [int(v) for v in np.asarray(result)[:, 0]] == [g + 1 for g in ran_on]
             return comm.size, failures
     raise AssertionError("rank 1's death was never noticed")
 

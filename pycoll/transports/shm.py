@@ -370,6 +370,7 @@ class ShmTransport(Transport):
         yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
         idle = 0
         faults = self.matcher.faults
+        look_at = time.monotonic() + _SLICE
         moved = self._sweep()
         while True:
             if moved:
@@ -386,6 +387,10 @@ class ShmTransport(Transport):
             now = time.monotonic()
             if now >= deadline:
                 return False
+            if now >= look_at:  # spinning can last long on a crowded machine: look for deaths too
+                look_at = now + _SLICE
+                for peer in self._pids.exited():
+                    self._exited(peer)
             if idle < _SPIN:
                 idle += 1
                 self._lock.release()  # let other threads' isend/irecv, and other processes, run
