@@ -222,9 +222,6 @@ def _agree(comm: "Communicator", transport: Transport, flag: bool, number: int, 
             decided = True
         elif heard == before:
             decided = True
-        import os, sys
-        if os.environ.get("FTDEBUG"):
-            print(f"FT {time.monotonic():.3f} r{group[me]} {comm.name} inst {instance} rnd {rnd} heard {sorted(heard)} before {sorted(before)} adopt {adopt is not None} dec {decided} known {list(state[known])} dead {list(state[dead])}", file=sys.stderr, flush=True)
         before = heard
     raise AssertionError("unreachable")
 
