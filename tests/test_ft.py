@@ -349,3 +349,95 @@ def test_only_a_majority_goes_on_after_a_partition(hosts, survivors, goes_on):
     else:
         with pytest.raises(pycoll.PartitionError, match="minority"):
             ft._check_quorum(comm, survivors)
+
+
+# -- pycoll run --elastic and the elastic trainer -------------------------------------------------------
+ELASTIC_SCRIPT = """
+import os, signal, sys
+import numpy as np
+import pycoll
+
+comm = pycoll.init()
+step = 0
+while step < 6:
+    if step == 3 and comm.group[comm.rank] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = np.ones(64, np.float32)
+    try:
+        comm.allreduce(x); ok = True
+    except (pycoll.PeerError, pycoll.RevokedError):
+        comm.revoke(); ok = False
+    ok, dead = comm.agree(ok)
+    if dead:
+        comm = comm.shrink()
+    step += ok
+print(f"done on {comm.size} ranks, sum {x[0]:g}")
+comm.close()
+"""
+
+
+def _launch(*args, timeout=120):
+    import subprocess
+    import sys
+    from test_launcher import _env
+    return subprocess.run([sys.executable, "-m", "pycoll", "run", *args], env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_pycoll_run_elastic_survives_a_killed_rank(tmp_path, elastic):
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC_SCRIPT)
+    proc = _launch(*(["--elastic"] if elastic else []), "-n", "4", str(script))
+    if elastic:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("done on 3 ranks, sum 3") == 3, proc.stdout
+        assert "killed by signal SIGKILL; the others go on (--elastic)" in proc.stderr
+    else:
+        assert proc.returncode != 0 and "done on" not in proc.stdout
+
+
+def _trainer(tmp_path, kill_rank=None, after="step 30/"):
+    """`pycoll run --elastic -n 4 -m pycoll.trainer --elastic`; SIGKILL rank `kill_rank` once rank 0
+    has logged `after` (mid-epoch 2). The run's output."""
+    import subprocess
+    import sys
+    from test_launcher import _env
+    out = tmp_path / f"trainer{kill_rank}.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pycoll", "run", "--elastic", "-n", "4", "-m", "pycoll.trainer",
+                                 "--elastic", "--epochs", "5", "--log-every", "10"], env=_env(), stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        if kill_rank is not None:
+            deadline = time.monotonic() + 90
+            while after not in out.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for line in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+                with open(f"/proc/{line}/environ", "rb") as env:
+                    if f"RANK={kill_rank}".encode() in env.read().split(b"\0"):
+                        os.kill(int(line), signal.SIGKILL)
+        assert proc.wait(150) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out.read_text()
+
+
+def _final_test_accuracy(text):
+    import re
+    return float(re.search(r"final: .*\| test loss [\d.]+ acc ([\d.]+)%", text).group(1))
+
+
+@pytest.mark.timeout(400)
+def test_elastic_trainer_loses_a_rank_mid_epoch(tmp_path):
+    import re
+    clean = _trainer(tmp_path)
+    hit = _trainer(tmp_path, kill_rank=2)
+    event = re.search(r"rank 2 died at step \d+; continued on 3 ranks after [\d.]+ s", hit)
+    print(f"\n{event.group(0) if event else hit}")
+    assert event, hit
+    assert "replicas bit-identical across 3 rank(s): yes" in hit, hit
+    a, b = _final_test_accuracy(clean), _final_test_accuracy(hit)
+    print(f"held-out accuracy: {a:.1f}% without a failure, {b:.1f}% with rank 2 killed")
+    assert abs(a - b) <= 1.0, (a, b)
