@@ -246,7 +246,7 @@ def inherit(parent: "Communicator", child: "Communicator") -> None:
     """A communicator made from a restored one after a failure (split, dup, subgroup) is restored too:
     its members were alive when its parent was agreed on."""
     transport = parent.transport
-    if transport.resilient and transport.restored(parent.comm_id):
+    if getattr(transport, "resilient", False) and transport.restored(parent.comm_id):
         transport.restore(child.comm_id)
 
 
