@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import calibration, debug
+from . import calibration, debug, ft
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
 from .channel import CallName, Channel, byte_view
-from .ids import comm_hash
+from .errors import RevokedError
+from .ids import comm_hash, derived_id
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .selection import Selector, resolve
 from .topology import Topology
@@ -76,14 +77,15 @@ class Communicator:
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
                  owns_transport: bool = False, selector: Optional[Selector] = None,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, lanes: Optional[Dict[int, int]] = None) -> None:
+        """`lanes`: the members' board lanes, already agreed (shrink), instead of exchanging them."""
         self.transport, self.group, self.name = transport, list(group), name
         self._rank, self.timeout, self.store = rank, timeout, store
         self.comm_id = comm_hash(name)
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
-        self.board = self._open_board()
+        self.board = self._open_board(lanes)
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -94,6 +96,7 @@ class Communicator:
         self._closed = False
         self._ranks: Optional[dict] = None  # transport rank -> communicator rank, made on first need
         self._subgroups: set = set()  # (name, ranks) of the subgroups made here
+        self._agreements = 0  # agreements run on it (ft.py numbers them)
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
         self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group)  # flight recorder
         self._chosen: Optional[Callable] = None  # the algorithm picked for the call about to _run
@@ -190,18 +193,21 @@ class Communicator:
     def _tuner_channel(self, seq: int) -> Channel:
         """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
         return Channel(transport=self.transport, group=self.group, rank=self.rank,
-                       comm_id=comm_hash(f"{self.name}/tuner"), seq=seq, timeout=self.timeout,
+                       comm_id=derived_id(self.comm_id, "tuner"), seq=seq, timeout=self.timeout,
                        what=f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
 
-    def _open_board(self) -> Optional[Board]:
+    def _open_board(self, lanes: Optional[Dict[int, int]] = None) -> Optional[Board]:
         """This communicator's shared-memory board, where the transport offers one reaching every
         member: each member claims a lane of its own board and all exchange their lane numbers (the
-        same answer on every member: a board, or None when any member has no lane left)."""
+        same answer on every member: a board, or None when any member has no lane left), unless the
+        `lanes` are known already."""
         boards = self.transport.offers(SharedBoard)
         if boards is None or not boards.reaches(self.group):
             return None
+        if lanes is not None:
+            return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
         ch = Channel(transport=self.transport, group=self.group, rank=self.rank,
-                     comm_id=comm_hash(f"{self.name}/board"), seq=1, timeout=self.timeout,
+                     comm_id=derived_id(self.comm_id, "board"), seq=1, timeout=self.timeout,
                      what=f"board set-up of {self.name} (rank {self.rank})")
         mine = np.array([boards.claim_lane(self.comm_id)], np.int64)
         theirs = {m: np.empty(1, np.int64) for m in range(self.size) if m != self.rank}
@@ -223,6 +229,9 @@ class Communicator:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: {call} on {self.name} after close()")
+        revoked = self.transport.revoked_error(self.comm_id)
+        if revoked is not None:
+            raise RevokedError(f"rank {self.rank}: {call} on {self.name}: {revoked}", revoked.by)
 
     def _deadline(self, timeout: Optional[float], call: str) -> float:
         """The seconds a call may wait: its own `timeout=` (a positive number, inf allowed) or the default."""
@@ -674,16 +683,47 @@ class Communicator:
         self._subgroups.add(made)
         return self._child(f"{self.name}/subgroup[{name}]({','.join(map(str, members))})", members)
 
-    def _child(self, name: str, members: List[int]) -> "Communicator":
+    def _child(self, name: str, members: List[int], lanes: Optional[Dict[int, int]] = None) -> "Communicator":
+        """A communicator of `members` (ranks of this one) on the same transport, with the selector's
+        model; a child of a communicator restored after a failure is restored too (ft.py)."""
         group = [self.group[r] for r in members]
         hosts = self.membership.hosts
         me = self.group[self.rank]
         same = [g for g in group if hosts[g] == hosts[me]]
         membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
         child = Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
-                             topology=self.topology.subset(members))
+                             topology=self.topology.subset(members), lanes=lanes)
         child.selector = self.selector.for_board(*child._board_capacity())  # the parent's model, its own board
+        ft.inherit(self, child)
         return child
+
+    # -- fault tolerance (ft.py) ------------------------------------------------------------------
+    def revoke(self) -> None:
+        """Make every live member's pending and later calls on this communicator raise RevokedError
+        (within a second, whatever they are doing); local, returns at once, idempotent. Then agree()."""
+        ft.revoke(self)
+
+    def agree(self, flag: bool = True, *, timeout: Optional[float] = None) -> Tuple[bool, List[int]]:
+        """(AND of every live member's `flag`, the members all survivors agree are dead): completes
+        although members die before or during it, and on a revoked communicator. Without dead members
+        the communicator works again afterwards; with some, shrink() it. Collective over the live members."""
+        return ft.agree(self, flag, timeout)
+
+    def shrink(self, *, timeout: Optional[float] = None) -> "Communicator":
+        """A new communicator of the live members, renumbered in order (collective over them); this
+        one is released. PartitionError on a side cut off from the majority of a multi-host one."""
+        return ft.shrink(self, timeout)
+
+    def _shrunk(self, name: str, group: List[int], lanes: Optional[Dict[int, int]]) -> "Communicator":
+        """shrink()'s communicator over `group` (transport ranks) with the agreed board `lanes`."""
+        return self._child(name, [self.group.index(g) for g in group], lanes)
+
+    def _hand_over(self, successor: "Communicator") -> None:
+        """shrink(): `successor` takes over the transport and store; this one is closed, waiting on nobody."""
+        successor._owns_transport, successor.store = self._owns_transport, self.store
+        self._owns_transport, self.store = False, None
+        ft.replace_default(self, successor)
+        self.close()
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -171,6 +171,10 @@ _VARS = [
         "bytes' worth of small (zmq) messages a tcp sender may have unconsumed at each peer (a message "
         "counts at least 8.5 KiB; `0`: unbounded). Sends past it wait for the receiver to hand credit "
         "back, so a rank running ahead cannot fill its peers' memory"),
+    Var("PYCOLL_TCP_HEARTBEAT", number(positive=False), "0",
+        "seconds of silence after which a tcp peer counts as dead (zmq heartbeats, sent every quarter "
+        "of it): how ranks cut off by a network partition, or frozen, are noticed; `0`: off (a dead process "
+        "is noticed anyway, by its dropped connection). `pycoll run --elastic` sets 10 unless given"),
     Var("PYCOLL_VERBS_SLOT", size(136), "64K",
         "bytes per verbs receive slot: messages that fit (less a 72-byte prefix) are sent eagerly, "
         "larger ones by RDMA write"),

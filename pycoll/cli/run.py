@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", dest="hang_timeout", type=float, default=None, metavar="S",
                    help="if no rank enters or completes a pycoll call for S seconds, print every rank's "
                         f"progress, have the ranks dump their flight recorders, and end the job (exit {TIMEOUT_EXIT})")
+    p.add_argument("--elastic", action="store_true",
+                   help="a rank that dies (killed by a signal) does not end the job: the others may revoke, agree "
+                        "and shrink (pycoll/ft.py) and go on; exit 0 when every survivor exits 0. Sets "
+                        "PYCOLL_TCP_HEARTBEAT=10 unless it is set")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a Python module (python -m target)")
     p.add_argument("target", nargs="?", metavar="script.py|module|command",
@@ -204,6 +208,7 @@ class _Job:
             self.trace_dir = tempfile.mkdtemp(prefix="pycoll-trace-")
         os.makedirs(self.trace_dir, exist_ok=True)
         self.failed = False
+        self._lost: Dict[int, int] = {}  # --elastic: ranks killed by a signal -> exit code
 
     def run(self) -> int:
         """Start every rank and supervise them; always leaves no rank or rank's child behind."""
@@ -244,6 +249,8 @@ class _Job:
         env.pop("PYCOLL_STORE_HOSTED", None)  # that says "pycoll's store is at MASTER_PORT": not ours
         env["PYCOLL_JOB_TOKEN"] = self.token
         env.pop("PYCOLL_JOB_TOKEN_FILE", None)
+        if a.elastic:
+            env.setdefault("PYCOLL_TCP_HEARTBEAT", "10")  # ranks cut off by a partition count as dead
         return env
 
     def _spawn(self, rank: int, local_rank: int) -> None:
@@ -274,6 +281,12 @@ class _Job:
             ended = {rank: code for rank, code in ((r, p.poll()) for r, p in running.items()) if code is not None}
             for rank in ended:
                 del running[rank]
+            if self.args.elastic:
+                self._lost.update({r: c for r, c in ended.items() if c < 0})
+                for rank in sorted(r for r, c in ended.items() if c < 0):
+                    _say(f"rank {rank} (pid {self.procs[rank].pid}) was killed by signal {_signal_name(-ended[rank])}; "
+                         "the others go on (--elastic)")
+                ended = {r: c for r, c in ended.items() if c >= 0}
             failed = sorted((rank for rank, code in ended.items() if code != 0),
                             key=lambda rank: (ended[rank] > 0, rank))  # a killed rank is the likelier cause
             if failed:
@@ -296,6 +309,9 @@ class _Job:
                     self._stop()
                     return TIMEOUT_EXIT
             time.sleep(_POLL_S)
+        if self._lost and len(self._lost) == len(self.procs):
+            _say("every rank was killed; nobody survived (--elastic)")
+            return 1
         return 0
 
     def _live_view(self, why: str) -> None:

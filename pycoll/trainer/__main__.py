@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1-rank throughput (samples/s) for the scaling efficiency; default: measured in this run")
     p.add_argument("--blas-threads", type=int, default=d.blas_threads, metavar="T",
                    help=f"BLAS threads per rank (default {d.blas_threads}, as torchrun sets OMP_NUM_THREADS)")
+    p.add_argument("--elastic", action="store_true",
+                   help="go on when a rank dies: the survivors drop that step, shrink and re-shard "
+                        "(run under `pycoll run --elastic`)")
     p.add_argument("--timeline", metavar="OUT.png",
                    help="draw each rank's last steps (compute / comm / wait), and write all steps beside it as "
                         "OUT.trace.json, a Chrome trace for https://ui.perfetto.dev or chrome://tracing")
@@ -82,14 +85,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                       hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
                       dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
-                      blas_threads=args.blas_threads)
+                      blas_threads=args.blas_threads, elastic=args.elastic)
     with pycoll.init() as comm:
         try:
             result = train(comm, cfg, Console(comm.rank == 0))
         except ConfigError as e:
             print(f"pycoll.trainer: {e}", file=sys.stderr)
             return 2
-        if comm.rank == 0:
+        if result.comm.rank == 0:
             for line in summary_lines(result, cfg):
                 print(line)
             if args.timeline:
@@ -99,6 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 trace = os.path.splitext(args.timeline)[0] + ".trace.json"
                 chrome_timeline(result.records, trace)
                 print(f"timeline written to {args.timeline} (all steps as a Chrome trace: {trace})")
+        if result.comm is not comm:  # shrunk (--elastic): the survivors' communicator owns the transport now
+            result.comm.close()
     return 0
 
 
