@@ -54,7 +54,9 @@ def load_suite() -> types.ModuleType:
     from torch.testing._internal.common_distributed import DistTestCases
 
     if backend not in ("gloo", "nccl", "ucc", "mpi"):
-        for feature in ("plugin", "ddp", "subgroup"):
+        # "gpu" gates 33 CPU tests (DDP, object collectives) that gloo runs here on CPU: a misnomer,
+        # nothing in them touches a GPU unless CUDA is available; "cuda" stays gloo/nccl/ucc only
+        for feature in ("plugin", "ddp", "subgroup", "gpu"):
             DistTestCases.backend_feature[feature].add(backend)
     if os.environ.get(LIFT_ENV) != "1":
         return importlib.import_module(SUITE)
