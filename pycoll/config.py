@@ -164,8 +164,9 @@ _VARS = [
         "networks that cap each flow below the link rate. `auto`: 4 to ranks on other hosts, 1 on this "
         "host, and the tuner's calibration measures one stream against 4 and uses as many as raise "
         "the rate (none without a probe); a number: that many to every rank, all used"),
-    Var("PYCOLL_TCP_STRIPE_MIN", size(4096), "512K",
-        "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`): smaller "
+    Var("PYCOLL_TCP_STRIPE_MIN", size(1), "512K",
+        "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`; parts are whole "
+        "4 KiB pages but the last): smaller "
         "payloads go whole, each on the next stream in turn"),
     Var("PYCOLL_TCP_COPY_THRESHOLD", size(0), "64K",
         "tcp payloads on zmq of this size and more are sent zero-copy; smaller ones are copied"),

@@ -86,7 +86,9 @@ def check_bulk_hello(token: bytes, dst: int, payload: bytes, seen: Set[bytes]) -
     replay guard included); the index is bound into the MAC, so a hello for one stream opens no other."""
     if len(payload) != HELLO.size:
         raise ValueError("hello of the wrong size")
-    sender, _, nonce, mac = HELLO.unpack(payload)
+    sender, to, nonce, mac = HELLO.unpack(payload)
+    if to != dst:
+        raise ValueError(f"hello addressed to rank {to}, not {dst}")
     for index in range(MAX_STREAMS):
         if hmac.compare_digest(mac, hello_mac(token, sender, dst, nonce, bulk_purpose(index))):
             return check_hello(token, dst, payload, seen=seen, purpose=bulk_purpose(index)), index
