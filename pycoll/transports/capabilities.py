@@ -30,8 +30,8 @@ class Striping(Capability, ABC):
     automatic: bool  # PYCOLL_NSOCKS=auto: the tuner picks the width; else the user fixed it
 
     @abstractmethod
-    def widest(self) -> int:
-        """The most streams open to any peer (1: nothing to stripe over)."""
+    def streams(self, peer: int) -> int:
+        """Streams open to `peer` (1: its payloads go whole)."""
 
     @abstractmethod
     def width(self) -> int:

@@ -82,7 +82,11 @@ class _Striping(Striping):
         self._bulk, self.automatic = bulk, automatic
         self._width = 1
 
+    def streams(self, peer: int) -> int:
+        return len(self._bulk.socks.get(peer, ())) or 1
+
     def widest(self) -> int:
+        """The most streams open to any peer."""
         return max((len(s) for s in self._bulk.socks.values()), default=1)
 
     def width(self) -> int:
