@@ -162,9 +162,8 @@ _VARS = [
     Var("PYCOLL_NSOCKS", auto_or(integer(1, 16)), "auto",
         "tcp bulk streams per pair of ranks, large payloads cut over them (NCCL_NSOCKS_PERTHREAD), for "
         "networks that cap each flow below the link rate. `auto`: 4 to ranks on other hosts, 1 on this "
-        "host; the tuner's probe times one stream against 4 and cuts over as many as fill the link "
-        "once it carries 1.5 streams' worth, else over one (also without a probe); a number: that "
-        "many to every rank, all used (every rank must set the same)"),
+        "host, and the tuner's calibration measures one stream against 4 and uses as many as raise "
+        "the rate (none without a probe); a number: that many to every rank, all used"),
     Var("PYCOLL_TCP_STRIPE_MIN", size(1), "512K",
         "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`; parts are whole "
         "4 KiB pages but the last): smaller "
@@ -238,11 +237,6 @@ _VARS = [
         test=True),
     Var("PYCOLL_SSAI", one_of("0", "1"), "1",
         "tests/test_emulated_cluster.py: `net.ipv4.tcp_slow_start_after_idle` in the emulated hosts",
-        test=True),
-    Var("PYCOLL_TCP_CC", TEXT, "reno",
-        "tests/test_emulated_cluster.py: `net.ipv4.tcp_congestion_control` in the emulated hosts (`system`: "
-        "leave the kernel's default). BBR (this VM's default) loses 20-50% of a shallow tbf link when two "
-        "ranks per host send across it at once; a loss-based one (most distributions' default) does not",
         test=True),
     Var("PYCOLL_CLUSTER_REPORT", PATH, None,
         "tests/test_emulated_cluster.py appends its measured table and JSON to this file", test=True),

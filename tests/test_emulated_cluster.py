@@ -24,11 +24,6 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"emulated clu
 
 MIB = 1 << 20
 SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": config.get("PYCOLL_SSAI")}
-if config.get("PYCOLL_TCP_CC") != "system":
-    # the emulated hosts' congestion control, not whatever the machine running the tests defaults to:
-    # under BBR two flows crossing one shallow tbf queue together lose 20-50% of the link (profiled:
-    # 4 hosts x 2, halving-doubling 8 MiB, 1.2-1.6x the bound with BBR, 1.06-1.10x with reno)
-    SYSCTLS["net.ipv4.tcp_congestion_control"] = config.get("PYCOLL_TCP_CC")
 ALGOS = ["hierarchical", "ring", "flat_ring", "halving_doubling", "recursive_doubling", "tree"]
 
 
