@@ -2,10 +2,10 @@
 earlier measurements, or a short probe of the links at init (PYCOLL_TUNER).
 
 Calibration (PYCOLL_TUNER=probe, the default): one pair of ranks per link class ping-pongs small and
-1 MiB messages (between hosts, where tcp opened several streams per pair (PYCOLL_NSOCKS=auto), once
-over one stream and once with 2 MiB cut over all of them: the flow and the link; pick_streams
-then sets how many streams large payloads use); every rank times numpy reductions; an allgather gives all ranks the same numbers, so
-all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
+1 MiB messages (between hosts, where tcp opened several streams per pair (PYCOLL_NSOCKS=auto),
+2 MiB over one stream and cut over all of them, alternately: the flow and the link; pick_streams
+then sets how many streams large payloads use); every rank times numpy reductions; an allgather
+gives all ranks the same numbers, so all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
 (default ~/.cache/pycoll/tuner, `off` disables) for a day, keyed also by the package version and the
 cost model's code, so numbers measured by other code are never reused. PYCOLL_TUNER=model uses
 built-in constants (and PYCOLL_TOPO_FILE "links"), =static the size rules of

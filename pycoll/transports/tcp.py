@@ -3,10 +3,11 @@
 Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
 travel on raw streams per pair (bulk.py), read straight into the posted buffer; smaller ones
 ride zmq. Between hosts a pair may hold several streams (PYCOLL_NSOCKS) and cut large payloads
-over them, for networks that cap each flow below the link rate. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
-job pays no thread hand-off per message. What a peer may have sent us unconsumed is bounded:
-zmq messages by credit flow control (flow.py, PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by
-their stream (they wait on it, unread, until claimed or parked).
+over them, for networks that cap each flow below the link rate. Whichever thread waits drives all
+sockets (leader/follower), so a single-threaded job pays no thread hand-off per message. What a
+peer may have sent us unconsumed is bounded: zmq messages by credit flow control (flow.py,
+PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by their streams (they wait on them, unread,
+until claimed or parked).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zmq
@@ -66,13 +67,13 @@ class _Parked:
         self.req: Optional[Request] = None
 
 
-def streams_offered(setting: object, same_host: bool) -> int:
+def streams_offered(setting: Union[str, int], same_host: bool) -> int:
     """Streams a rank with PYCOLL_NSOCKS=`setting` opens to a peer: a number is that many to every
     peer; auto is AUTO_STREAMS to other hosts and 1 on this host (loopback has no per-flow cap,
     and more streams there only cost polls and copies on shared cores)."""
     if setting == "auto":
         return 1 if same_host else AUTO_STREAMS
-    return int(setting)  # type: ignore[call-overload]
+    return int(setting)
 
 
 class _Striping(Striping):
