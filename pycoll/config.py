@@ -162,8 +162,9 @@ _VARS = [
     Var("PYCOLL_NSOCKS", auto_or(integer(1, 16)), "auto",
         "tcp bulk streams per pair of ranks, large payloads cut over them (NCCL_NSOCKS_PERTHREAD), for "
         "networks that cap each flow below the link rate. `auto`: 4 to ranks on other hosts, 1 on this "
-        "host, and the tuner's calibration measures one stream against 4 and uses as many as raise "
-        "the rate (none without a probe); a number: that many to every rank, all used"),
+        "host; the tuner's probe times one stream against 4 and cuts over as many as fill the link "
+        "once it carries 1.5 streams' worth, else over one (also without a probe); a number: that "
+        "many to every rank, all used (every rank must set the same)"),
     Var("PYCOLL_TCP_STRIPE_MIN", size(1), "512K",
         "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`; parts are whole "
         "4 KiB pages but the last): smaller "
