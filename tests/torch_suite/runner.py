@@ -25,7 +25,7 @@ import types
 import unittest
 
 SUITE = "torch.testing._internal.distributed.distributed_test"
-LIFT_ENV = "PYCOLL_SUITE_LIFT_GLOO_GATES"  # set by main(), inherited by the spawned ranks
+LIFT_ENV = "TORCH_SUITE_LIFT_GLOO_GATES"  # set by main(), inherited by the spawned ranks
 
 
 def _gloo_like_source(src: str) -> tuple[str, int]:
@@ -47,7 +47,7 @@ def _gloo_like_source(src: str) -> tuple[str, int]:
 
 
 def load_suite() -> types.ModuleType:
-    """Import distributed_test for the backend in $BACKEND (gates lifted when $PYCOLL_SUITE_LIFT_GLOO_GATES=1)."""
+    """Import distributed_test for the backend in $BACKEND (gates lifted when $TORCH_SUITE_LIFT_GLOO_GATES=1)."""
     backend = os.environ["BACKEND"]
     if backend == "pycoll":
         import pycoll.torch  # noqa: F401  registers the backend before the suite's decorators run
