@@ -98,7 +98,7 @@ def expected_max_normal(n: int) -> float:
         return 0.0
     x = np.linspace(-8.0, 8.0, 4001)
     pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-    cdf = np.cumsum(pdf) * (x[1] - x[0])
+    cdf = 0.5 * (1 + np.array([math.erf(v / math.sqrt(2)) for v in x]))
     return float(np.sum(x * n * pdf * cdf ** (n - 1)) * (x[1] - x[0]))
 
 
