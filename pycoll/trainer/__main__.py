@@ -85,13 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed options."""
+    return TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
+                       hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
+                       dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
+                       blas_threads=args.blas_threads, elastic=args.elastic)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the trainer on the ranks pycoll.init() finds; rank 0 prints and draws."""
     args = build_parser().parse_args(argv)
-    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-                      hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
-                      dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
-                      blas_threads=args.blas_threads, elastic=args.elastic)
+    cfg = config_from_args(args)
     with pycoll.init() as comm:
         try:
             result = train(comm, cfg, Console(comm.rank == 0))
