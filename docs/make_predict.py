@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=240)
     ap.add_argument("--bucket-kb", type=float, default=256)
     ap.add_argument("--hosts", default="2,3,4")
+    ap.add_argument("--reuse", action="store_true", help="predict from the records already in docs/predict/")
     a = ap.parse_args()
     trainer = ["--epochs", str(a.epochs), "--hidden", a.hidden, "--batch-size", str(a.batch_size),
                "--bucket-kb", f"{a.bucket_kb:g}", "--log-every", "0"]
@@ -39,12 +40,17 @@ def main() -> None:
     started = time.time()
     runs = {}
     base = os.path.join(data, "h1x2.json")
-    measure_run(1, 2, "packed", None, trainer, base, cache)
+    if not a.reuse:
+        measure_run(1, 2, "packed", None, trainer, base, cache)
     print(f"recorded 1 host x 2 ranks ({time.time() - started:.0f} s)", flush=True)
     for hosts in [int(h) for h in a.hosts.split(",")]:
         for how in ("packed", "interleaved"):
             path = os.path.join(data, f"h{hosts}x2-{how}.json")
-            runs[path] = measure_run(hosts, 2, how, a.rate_mbit, trainer, path, cache)
+            if a.reuse:
+                with open(path) as fh:
+                    runs[path] = json.load(fh)
+            else:
+                runs[path] = measure_run(hosts, 2, how, a.rate_mbit, trainer, path, cache)
             print(f"ran {hosts} hosts x 2 {how}: {runs[path]['step_ms']:.1f} ms/step "
                   f"({time.time() - started:.0f} s)", flush=True)
     rates = [r["cluster"]["link_Bps"] for r in runs.values()]
@@ -81,6 +87,12 @@ the measured median step, and its own `prediction`).
 
 ![predicted vs measured, from one host](predict_from_1host.png)
 
+From a one-host record the model carries over the compute interference (how much slower a rank
+computed in the recorded job than alone) but not the latency fit: the excess latency of messages
+between two ranks sharing a loaded machine's cores is a wake-up delay of shm, and charging it to the
+targets' messages overestimated the 2-host steps by 57% (mean error 28%). That choice was made after
+seeing these runs, so this table is not a blind test; the 2-host calibration below is the fairer one.
+
 The same without anything fitted from the record's measured slowdowns (`--no-fit`: compute from
 the profile of one rank alone, communication at the tuner's calibrated prices):
 
@@ -94,7 +106,10 @@ the profile of one rank alone, communication at the tuner's calibrated prices):
 
 ![predicted vs measured, from two hosts](predict_from_2hosts.png)
 
-Goals: mean |error| <= 15%, max <= 25%.
+Goals: mean |error| <= 15%, max <= 25%. The 3-host packed run is the outlier in every table: it
+measured 106 ms against 79 ms interleaved, a difference the tuner's host-ordered algorithms should
+not show (both placements run the same hierarchical allreduce); with the machine at load ~20, one
+slow run of 20 steps is within what the noise does here.
 """
     with open(os.path.join(HERE, "predict.md"), "w") as fh:
         fh.write(text)
