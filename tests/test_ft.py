@@ -400,7 +400,10 @@ def test_pycoll_run_elastic_survives_a_killed_rank(tmp_path, elastic):
         assert proc.stdout.count("done on 3 ranks, sum 3") == 3, proc.stdout
         assert "killed by signal SIGKILL; the others go on (--elastic)" in proc.stderr
     else:
-        assert proc.returncode != 0 and "done on" not in proc.stdout
+        # the job ends with the killed rank's code (survivors that recover on their own while the
+        # launcher collects flight-recorder dumps may print before they are stopped)
+        assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
+        assert "the others go on" not in proc.stderr
 
 
 def _trainer(tmp_path, kill_rank=None, after="step 30/"):
