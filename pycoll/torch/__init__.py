@@ -73,8 +73,8 @@ class C10dStore(Store):
 def _as_torch_error(e: BaseException) -> BaseException:
     """pycoll's timeout as torch users and tools look for it (gloo: "Timed out waiting ..."): the
     same class and peers, the message prefixed, pycoll's own error kept as the cause."""
-    if isinstance(e, TimeoutError) and not str(e).startswith("[pycoll] Timed out"):
-        wrapped = TimeoutError(f"[pycoll] Timed out: {e}", e.peers)
+    if isinstance(e, TimeoutError) and not str(e).startswith("[pycoll] Timed out "):
+        wrapped = TimeoutError(f"[pycoll] Timed out waiting: {e}", e.peers)
         wrapped.__cause__ = e
         return wrapped
     return e
