@@ -35,7 +35,7 @@ set +e
 timeout "${PYCOLL_RDMA_TIMEOUT:-1500}" nice -n 10 qemu-system-x86_64 "${ACCEL[@]}" \
     -smp "${PYCOLL_RDMA_CPUS:-2}" -m "${PYCOLL_RDMA_MEM:-3072}" -nographic -no-reboot \
     -kernel "$CACHE/vmlinuz" -initrd "$CACHE/initrd.img" \
-    -append "root=/dev/vda rw console=ttyS0 init=/sbin/pycoll-guest-init net.ifnames=0 quiet panic=-1" \
+    -append "root=/dev/vda rw console=ttyS0 init=/sbin/pycoll-guest-init net.ifnames=0 quiet panic=-1 no_timer_check" \
     -drive "file=$CACHE/root.img,format=raw,if=virtio,snapshot=on" \
     -virtfs "local,path=$REPO,mount_tag=src,security_model=none,readonly=on" \
     -virtfs "local,path=$OUT,mount_tag=out,security_model=none" \
