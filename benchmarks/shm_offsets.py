@@ -1,0 +1,112 @@
+"""Allreduce time against where the buffer starts within its 4 KiB page, between checkouts of pycoll.
+
+    python benchmarks/shm_offsets.py TREE [TREE ...] [--rounds 3] [--ranks 4] [--sizes 1,16,64]
+
+Each round launches `pycoll run -n RANKS` over shm once per tree (trees alternate, their order
+flipping every round). In a launch every rank times in-place float32 SUM allreduce on buffers that
+start at byte 0, 8, 16, 64 and 2048+16 of a page (sliced out of a larger array), and, where the tree
+has registered buffers (`Communicator.empty`), on slices of a registered buffer at the same offsets;
+the calls of all variants of a size are interleaved (one call of each in turn). A launch reports per
+variant the slowest rank's median call. Prints per (tree, size, registered) the median over launches
+(spread: min-max of the launch medians) at every offset, and the worst offset's time over the best's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+OFFSETS = (0, 8, 16, 64, 2048 + 16)
+
+RANK = r'''
+import json, time, numpy as np, pycoll
+OFFSETS, SIZES, CALLS = %r, %r, %r
+comm = pycoll.init()
+registered = hasattr(comm, "empty")
+out = {}
+for mib in SIZES:
+    nbytes = mib << 20
+    variants = []
+    for off in OFFSETS:
+        raw = np.empty(nbytes + 8192, np.uint8)
+        base = (-raw.ctypes.data) %% 4096
+        variants.append(("plain", off, raw[base + off:base + off + nbytes].view(np.float32)))
+    windows = []
+    if registered:
+        for off in OFFSETS:
+            win = comm.empty(nbytes + 8192, np.uint8)
+            windows.append(win)
+            variants.append(("registered", off, win[off:off + nbytes].view(np.float32)))
+    for _, _, x in variants:
+        x[:] = 1
+        comm.allreduce(x)
+    times = {(kind, off): [] for kind, off, _ in variants}
+    for _ in range(CALLS[mib]):
+        for kind, off, x in variants:
+            comm.barrier()
+            t = time.perf_counter()
+            comm.allreduce(x)
+            times[kind, off].append(time.perf_counter() - t)
+    for kind, off, x in variants:
+        mine = np.array([np.median(times[kind, off])])
+        comm.allreduce(mine, op="max")
+        out[f"{mib}/{kind}/{off}"] = float(mine[0])
+    del variants, x
+    for win in windows:
+        comm.free(win)
+if comm.rank == 0:
+    print("RESULT " + json.dumps(out), flush=True)
+comm.close()
+'''
+
+
+def launch(tree: str, ranks: int, sizes: List[int], calls: Dict[int, int]) -> Dict[str, float]:
+    """One `pycoll run` job of `tree` over shm; {"MiB/kind/offset": seconds}."""
+    env = dict(os.environ, PYTHONPATH=tree, PYCOLL_TRANSPORT="shm")
+    script = RANK % (OFFSETS, sizes, calls)
+    cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(ranks), sys.executable, "-c", script]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tree)
+    for line in out.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trees", nargs="+", help="pycoll checkouts (each goes on PYTHONPATH)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--sizes", default="1,16,64", help="MiB, comma-separated")
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    calls = {s: max(6, min(40, 256 // s)) for s in sizes}
+    got: Dict[Tuple[str, str], List[float]] = {}
+    for r in range(a.rounds):
+        for tree in (a.trees if r % 2 == 0 else a.trees[::-1]):
+            for key, t in launch(tree, a.ranks, sizes, calls).items():
+                got.setdefault((tree, key), []).append(t)
+        print(f"round {r + 1}/{a.rounds} done at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
+    print(f"N={a.ranks}, shm, in-place float32 SUM; median over {a.rounds} launches of the slowest rank's "
+          "median call, ms (spread min-max)\n")
+    print("| tree | size | buffer | " + " | ".join(f"offset {o}" for o in OFFSETS) + " | worst/best |")
+    print("|---|---|---|" + "---|" * (len(OFFSETS) + 1))
+    for tree in a.trees:
+        for mib in sizes:
+            for kind in ("plain", "registered"):
+                runs = [got.get((tree, f"{mib}/{kind}/{o}")) for o in OFFSETS]
+                if not all(runs):
+                    continue
+                med = [statistics.median(v) for v in runs]
+                cells = [f"{m * 1e3:.2f} ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})" for m, v in zip(med, runs)]
+                print(f"| {os.path.basename(os.path.normpath(tree))} | {mib} MiB | {kind} | " + " | ".join(cells)
+                      + f" | {max(med) / min(med):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
