@@ -5,11 +5,13 @@ buffers lie (Channel.symmetric); if any rank's are not registered, every rank ru
 algorithm the communicator would have run anyway. It ends with a synchronisation after the last
 read of a peer's buffer, so when a call returns no peer reads the caller's buffer any more.
 
-allreduce: reduce-scatter then allgather in place. Rank r reduces share r (its own input first,
-then the others' in rank order, block by block so the sum stays in cache) straight out of every
-rank's buffer into its own, all ranks synchronise, and each copies the other shares from their
-owners' buffers: per rank (n+1)/n of the data read and 1/n written, then (n-1)/n copied, where
-two-shot adds a full copy in. Each share is reduced once, so every rank ends with the same bits.
+allreduce: reduce-scatter and allgather in one pass. Rank r alone reads and writes share r of every
+rank's buffer: block by block it reduces the share (its own input first, then the others' in rank
+order) into its own buffer and, while that block is in cache, writes it into every peer's buffer.
+No other rank touches share r anywhere, so no synchronisation is needed between the two halves:
+per rank the whole input is read once (S) and S written, with two posts per call, where two-shot
+copies everything in and out again and posts twice per 512 KiB. Each share is reduced once, so every
+rank ends with the same bits.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .board_signature import (SYM_ALLGATHER, SYM_ALLREDUCE, SYM_BROADCAST, SYM_R
                               board_signature)
 from .ring import chunk_bounds
 
-BLOCK_BYTES = 256 << 10  # a reduction's running result stays in L2 while every rank's block is added
+BLOCK_BYTES = 256 << 10  # a block's running result stays in L2 while inputs are added and it is pushed out
 _NOTHING = np.empty(0, np.uint8)
 
 
@@ -32,19 +34,23 @@ def _sync(ch: Channel) -> None:
     ch.board_exchange(_NOTHING, board_signature(SYM_SYNC))
 
 
-def _reduce_share(fn: Callable, ins: List[np.ndarray], out: np.ndarray, lo: int, hi: int, me: int) -> None:
-    """out[lo:hi] = ins[me] op the others in rank order, block by block; `out` may be ins[me]."""
+def _reduce_share(fn: Callable, ins: List[np.ndarray], out: np.ndarray, lo: int, hi: int, me: int,
+                  push: Sequence[np.ndarray] = ()) -> None:
+    """out[lo:hi] = ins[me] op the others in rank order, block by block (`out` may be ins[me]), each
+    block then copied into the same place of every array of `push` while it is still in cache."""
     others = [p for p in range(len(ins)) if p != me]
     step = max(1, BLOCK_BYTES // max(1, out.itemsize))
     for a in range(lo, hi, step):
         b = min(hi, a + step)
         acc = out[a:b]
-        if not others:  # one rank (in place this copies the block onto itself)
+        if others:
+            fn(ins[me][a:b], ins[others[0]][a:b], out=acc)
+            for p in others[1:]:
+                fn(acc, ins[p][a:b], out=acc)
+        else:  # one rank (in place this copies the block onto itself)
             np.copyto(acc, ins[me][a:b])
-            continue
-        fn(ins[me][a:b], ins[others[0]][a:b], out=acc)
-        for p in others[1:]:
-            fn(acc, ins[p][a:b], out=acc)
+        for dst in push:
+            dst[a:b] = acc
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None, *,
@@ -62,14 +68,9 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
             fallback(ch, buf, op)
         return
     ins, outs, me = views[0], views[-1], ch.rank
-    shares = chunk_bounds(buf.size, ch.size)
-    _reduce_share(ufunc(op, buf.dtype), ins, outs[me], *shares[me], me)
-    _sync(ch)  # every share is reduced
-    mine = outs[me]
-    for p, (a, b) in enumerate(shares):
-        if p != me:
-            mine[a:b] = outs[p][a:b]
-    _sync(ch)  # nobody reads this rank's buffers any more
+    lo, hi = chunk_bounds(buf.size, ch.size)[me]
+    _reduce_share(ufunc(op, buf.dtype), ins, outs[me], lo, hi, me, [o for p, o in enumerate(outs) if p != me])
+    _sync(ch)  # every share is in every rank's buffer, and nobody reads this rank's buffers any more
 
 
 allreduce.accepts_src = True  # type: ignore[attr-defined]
