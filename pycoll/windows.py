@@ -96,7 +96,7 @@ class Registry:
         if not self._windows:
             return None
         start = arr.ctypes.data
-        for w in self._windows.values():
+        for w in tuple(self._windows.values()):  # a snapshot: another thread may be allocating
             if w.start <= start and start + arr.nbytes <= w.start + w.nbytes:
                 return w.wid, start - w.start
         return None
