@@ -7,8 +7,10 @@ flipping every round). In a launch every rank times in-place float32 SUM allredu
 start at byte 0, 8, 16, 64 and 2048+16 of a page (sliced out of a larger array), and, where the tree
 has registered buffers (`Communicator.empty`), on slices of a registered buffer at the same offsets;
 the calls of all variants of a size are interleaved (one call of each in turn). A launch reports per
-variant the slowest rank's median call. Prints per (tree, size, registered) the median over launches
-(spread: min-max of the launch medians) at every offset, and the worst offset's time over the best's.
+variant the slowest rank's median call, and the largest median CPU time (user+sys) a rank spent per
+call: with 4 ranks on 2 cores other jobs' load moves the wall time by 2x and more, the CPU time far
+less. Prints per (tree, size, registered) the median over launches (spread: min-max of the launch
+medians) at every offset, and the worst offset's time over the best's, for wall time and CPU time.
 """
 from __future__ import annotations
 
@@ -46,16 +48,19 @@ for mib in SIZES:
         x[:] = 1
         comm.allreduce(x)
     times = {(kind, off): [] for kind, off, _ in variants}
+    cpu = {(kind, off): [] for kind, off, _ in variants}
     for _ in range(CALLS[mib]):
         for kind, off, x in variants:
             comm.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             comm.allreduce(x)
+            cpu[kind, off].append(time.process_time() - c)
             times[kind, off].append(time.perf_counter() - t)
     for kind, off, x in variants:
-        mine = np.array([np.median(times[kind, off])])
+        mine = np.array([np.median(times[kind, off]), np.median(cpu[kind, off])])
         comm.allreduce(mine, op="max")
         out[f"{mib}/{kind}/{off}"] = float(mine[0])
+        out[f"{mib}/{kind}/{off}/cpu"] = float(mine[1])
     del variants, x
     for win in windows:
         comm.free(win)
@@ -94,18 +99,20 @@ def main() -> None:
         print(f"round {r + 1}/{a.rounds} done at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     print(f"N={a.ranks}, shm, in-place float32 SUM; median over {a.rounds} launches of the slowest rank's "
           "median call, ms (spread min-max)\n")
-    print("| tree | size | buffer | " + " | ".join(f"offset {o}" for o in OFFSETS) + " | worst/best |")
-    print("|---|---|---|" + "---|" * (len(OFFSETS) + 1))
-    for tree in a.trees:
-        for mib in sizes:
-            for kind in ("plain", "registered"):
-                runs = [got.get((tree, f"{mib}/{kind}/{o}")) for o in OFFSETS]
-                if not all(runs):
-                    continue
-                med = [statistics.median(v) for v in runs]
-                cells = [f"{m * 1e3:.2f} ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})" for m, v in zip(med, runs)]
-                print(f"| {os.path.basename(os.path.normpath(tree))} | {mib} MiB | {kind} | " + " | ".join(cells)
-                      + f" | {max(med) / min(med):.2f} |")
+    for what, suffix in (("wall time per call", ""), ("CPU time per call (user+sys, the busiest rank)", "/cpu")):
+        print(f"\n{what}\n")
+        print("| tree | size | buffer | " + " | ".join(f"offset {o}" for o in OFFSETS) + " | worst/best |")
+        print("|---|---|---|" + "---|" * (len(OFFSETS) + 1))
+        for tree in a.trees:
+            for mib in sizes:
+                for kind in ("plain", "registered"):
+                    runs = [got.get((tree, f"{mib}/{kind}/{o}{suffix}")) for o in OFFSETS]
+                    if not all(runs):
+                        continue
+                    med = [statistics.median(v) for v in runs]
+                    cells = [f"{m * 1e3:.2f} ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})" for m, v in zip(med, runs)]
+                    print(f"| {os.path.basename(os.path.normpath(tree))} | {mib} MiB | {kind} | "
+                          + " | ".join(cells) + f" | {max(med) / min(med):.2f} |")
 
 
 if __name__ == "__main__":
