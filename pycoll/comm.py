@@ -9,6 +9,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, U
 import numpy as np
 
 from . import calibration, debug
+from .algorithms import symmetric
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
@@ -18,7 +19,6 @@ from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .selection import Selector, resolve
 from .topology import Topology
 from .transports.base import ANY, MsgKey, Transport
-from .algorithms import symmetric
 from .transports.capabilities import Board, SharedBoard, SharedMemory
 from .windows import Registry
 from .work import Work, Worker
