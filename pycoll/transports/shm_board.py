@@ -27,7 +27,7 @@ has PAGE spare bytes beyond what it holds.
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class ShmBoard(Board):
         kinds = (False, True) if self.stage_bytes else (False,)
         self._bytes = {(k, stage): {m: np.frombuffer(slot(boards[m], lanes[m], k, stage), np.uint8) for m in members}
                        for k in range(DEPTH) for stage in kinds}
-        self._typed: Dict[Tuple[int, int, bool, int, np.dtype], np.ndarray] = {}  # see _view
+        self._typed: Dict[Tuple[Any, ...], List[np.ndarray]] = {}  # typed views of the slots, per layout
         self._wake, self._wait = wake, wait
         self.calls = 0
 
@@ -163,16 +163,17 @@ class ShmBoard(Board):
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
                     "ranks call different collectives, or the same one with different sizes, dtypes, ops or "
                     "roots?", p)
-        return [self._view(slots, m, k, stage, ctrls[m][at[m] + where], data) for m in order]
-
-    def _view(self, slots: Dict[int, np.ndarray], m: int, k: int, stage: bool, offset: int,
-              data: np.ndarray) -> np.ndarray:
-        """Member `m`'s post in slot `k`: its bytes from `offset`, typed and shaped as `data`."""
-        key = (m, k, stage, offset, data.dtype)
-        typed = self._typed.get(key)
+        offsets = tuple([ctrls[m][at[m] + where] for m in order])
+        layout = (k, stage, data.dtype, tuple(order), offsets)
+        typed = self._typed.get(layout)
         if typed is None:
-            if len(self._typed) > 4096:
+            if len(self._typed) > 1024:
                 self._typed.clear()
-            whole = slots[m][offset:]
-            typed = self._typed[key] = whole[:whole.size - whole.size % data.itemsize].view(data.dtype)
-        return typed[:data.size]
+            typed = self._typed[layout] = [_typed_from(slots[m], off, data.dtype) for m, off in zip(order, offsets)]
+        return [a[:data.size] for a in typed]
+
+
+def _typed_from(slot_bytes: np.ndarray, offset: int, dtype: np.dtype) -> np.ndarray:
+    """A slot's bytes from `offset` on, as whole elements of `dtype`."""
+    whole = slot_bytes[offset:]
+    return whole[:whole.size - whole.size % dtype.itemsize].view(dtype)
