@@ -2,7 +2,8 @@
 from . import version
 from .comm import ANY_SOURCE, Communicator, P2POp, P2PWork, Status
 from .debug import MismatchError
-from .errors import EnvError, PeerError, ProtocolError, PycollError, StoreError, TimeoutError
+from .errors import (EnvError, PartitionError, PeerError, ProtocolError, PycollError, RevokedError, StoreError,
+                     TimeoutError)
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
 from .work import Work
 from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barrier, broadcast,
@@ -12,6 +13,7 @@ __version__ = version.__version__
 
 __all__ = [
     "ANY_SOURCE", "Communicator", "P2POp", "P2PWork", "Status", "MismatchError", "EnvError", "PeerError", "ProtocolError", "PycollError", "StoreError",
+    "RevokedError", "PartitionError",
     "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
     "init", "default_comm", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
     "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv",

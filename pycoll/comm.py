@@ -4,20 +4,22 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import calibration, debug
+from . import calibration, debug, ft
 from .algorithms import symmetric
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
 from .channel import CallName, Channel, byte_view
-from .ids import comm_hash
+from .errors import RevokedError
+from .ids import comm_hash, derived_id
 from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
 from .selection import Selector, resolve
 from .topology import Topology
+from .trace import recorder
 from .transports.base import ANY, MsgKey, Transport
 from .transports.capabilities import Board, SharedBoard, SharedMemory
 from .windows import Registry
@@ -79,14 +81,15 @@ class Communicator:
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
                  owns_transport: bool = False, selector: Optional[Selector] = None,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, lanes: Optional[Dict[int, int]] = None) -> None:
+        """`lanes`: the members' board lanes, already agreed (shrink), instead of exchanging them."""
         self.transport, self.group, self.name = transport, list(group), name
         self._rank, self.timeout, self.store = rank, timeout, store
         self.comm_id = comm_hash(name)
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
-        self.board = self._open_board()
+        self.board = self._open_board(lanes)
         memory = self.transport.offers(SharedMemory)
         self.windows = Registry(memory, self.group, rank, name) if self.board is not None and memory is not None \
             and memory.reaches(self.group) else None  # registered buffers (empty()), where every rank maps them
@@ -100,7 +103,10 @@ class Communicator:
         self._closed = False
         self._ranks: Optional[dict] = None  # transport rank -> communicator rank, made on first need
         self._subgroups: set = set()  # (name, ranks) of the subgroups made here
+        self._agreements = 0  # agreements run on it (ft.py numbers them)
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
+        self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group)  # flight recorder
+        self._chosen: Optional[Callable] = None  # the algorithm picked for the call about to _run
         self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 
     # -- identity ---------------------------------------------------------------------------------
@@ -150,13 +156,25 @@ class Communicator:
         timeout = self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
+        rec, algo, self._chosen = self._recorder, self._chosen, None
         with self._seq_lock:
             ch = self.channel(collective, timeout)
             busy = self._inflight > 0
             if async_op or busy:  # behind queued async work, blocking calls queue too: call order holds
                 self._inflight += 1
+            entry = None if rec is None else rec.enter(ch.seq, collective, fingerprint, algo, async_op or busy)
         if not (async_op or busy):
-            return body(ch)
+            if entry is None:
+                return body(ch)
+            try:
+                result = body(ch)
+            except BaseException as e:
+                rec.fail(entry, e)
+                raise
+            rec.complete(entry)
+            return result
+        if entry is not None:
+            body = rec.traced(entry, body)
         work = self._submit(ch.what, lambda: body(ch))
         return work if async_op else work.result()
 
@@ -183,18 +201,21 @@ class Communicator:
     def _tuner_channel(self, seq: int) -> Channel:
         """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
         return Channel(transport=self.transport, group=self.group, rank=self.rank,
-                       comm_id=comm_hash(f"{self.name}/tuner"), seq=seq, timeout=self.timeout,
+                       comm_id=derived_id(self.comm_id, "tuner"), seq=seq, timeout=self.timeout,
                        what=f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
 
-    def _open_board(self) -> Optional[Board]:
+    def _open_board(self, lanes: Optional[Dict[int, int]] = None) -> Optional[Board]:
         """This communicator's shared-memory board, where the transport offers one reaching every
         member: each member claims a lane of its own board and all exchange their lane numbers (the
-        same answer on every member: a board, or None when any member has no lane left)."""
+        same answer on every member: a board, or None when any member has no lane left), unless the
+        `lanes` are known already."""
         boards = self.transport.offers(SharedBoard)
         if boards is None or not boards.reaches(self.group):
             return None
+        if lanes is not None:
+            return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
         ch = Channel(transport=self.transport, group=self.group, rank=self.rank,
-                     comm_id=comm_hash(f"{self.name}/board"), seq=1, timeout=self.timeout,
+                     comm_id=derived_id(self.comm_id, "board"), seq=1, timeout=self.timeout,
                      what=f"board set-up of {self.name} (rank {self.rank})")
         mine = np.array([boards.claim_lane(self.comm_id)], np.int64)
         theirs = {m: np.empty(1, np.int64) for m in range(self.size) if m != self.rank}
@@ -210,14 +231,14 @@ class Communicator:
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
         fn = self.selector.function(collective, nbytes, self.topology, algo)
-        if algo is not None or collective not in _REGISTERED or self.windows is None or not self.windows.used \
-                or nbytes <= self.board.slot_bytes:
-            return fn
-        # this communicator has registered buffers (every rank alike: allocation is collective): the
-        # call asks every rank where its buffers are and reads them in place if all are registered
-        wrapped = functools.partial(getattr(symmetric, collective), fallback=fn)
-        wrapped.accepts_src = True  # type: ignore[attr-defined]
-        return wrapped
+        if algo is None and collective in _REGISTERED and self.windows is not None and self.windows.used \
+                and nbytes > self.board.slot_bytes:
+            # this communicator has registered buffers (every rank alike: allocation is collective): the
+            # call asks every rank where its buffers are and reads them in place if all are registered
+            fn = functools.partial(getattr(symmetric, collective), fallback=fn)
+            fn.accepts_src = True  # type: ignore[attr-defined]
+        self._chosen = fn  # for the recorder
+        return fn
 
     # -- registered buffers -----------------------------------------------------------------------
     def empty(self, shape: Union[int, Sequence[int]], dtype: Any = np.float32) -> np.ndarray:
@@ -257,6 +278,9 @@ class Communicator:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: {call} on {self.name} after close()")
+        revoked = self.transport.revoked_error(self.comm_id)
+        if revoked is not None:
+            raise RevokedError(f"rank {self.rank}: {call} on {self.name}: {revoked}", revoked.by)
 
     def _deadline(self, timeout: Optional[float], call: str) -> float:
         """The seconds a call may wait: its own `timeout=` (a positive number, inf allowed) or the default."""
@@ -546,8 +570,7 @@ class Communicator:
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
         """Send `x` to rank `dst`; matched by (source, tag) in order, like MPI_Send."""
-        req, limit, what = self._post_p2p("send", x, dst, tag, timeout)
-        self.transport.wait([req], limit, what)
+        self._wait_p2p(*self._post_p2p("send", x, dst, tag, timeout))
 
     def recv(self, x: Any, src: Optional[int] = ANY_SOURCE, tag: int = 0, *, timeout: Optional[float] = None,
              status: Optional[Status] = None) -> Any:
@@ -555,8 +578,8 @@ class Communicator:
 
         `src` None or ANY_SOURCE takes the first message with `tag` from any rank (MPI_ANY_SOURCE);
         pass a `Status` to learn who sent it (status.source, as mpi4py does)."""
-        req, limit, what = self._post_p2p("recv", x, src, tag, timeout)
-        self.transport.wait([req], limit, what)
+        req, limit, what, entry = self._post_p2p("recv", x, src, tag, timeout)
+        self._wait_p2p(req, limit, what, entry)
         if status is not None:
             status._fill(self._source(req), int(tag), req.nbytes)
         return x
@@ -597,8 +620,10 @@ class Communicator:
                              "'irecv'")
         return kind, op.buf, op.peer, op.tag
 
-    def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]) -> Tuple[Any, float, str]:
-        """Validate a point-to-point call and post it: (request, its deadline in s, what it is called)."""
+    def _post_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]
+                  ) -> Tuple[Any, float, str, Optional[list]]:
+        """Validate a point-to-point call and post it: (request, its deadline in s, what it is called,
+        its flight-recorder entry)."""
         return self._start_p2p(*self._check_p2p(call, x, peer, tag, timeout))
 
     def _check_p2p(self, call: str, x: Any, peer: Any, tag: int, timeout: Optional[float]
@@ -618,13 +643,26 @@ class Communicator:
         return call, x, arr, peer, key, limit, what
 
     def _start_p2p(self, call: str, x: Any, arr: np.ndarray, peer: int, key: MsgKey, limit: float,
-                   what: str) -> Tuple[Any, float, str]:
+                   what: str) -> Tuple[Any, float, str, Optional[list]]:
+        rec = self._recorder
+        entry = None if rec is None else rec.enter_p2p(call, (arr.dtype, arr.size, peer, key.tag))
         if call.endswith("send"):
             req = self.transport.isend(byte_view(arr), self.group[peer], key, dtype_code(arr.dtype))
         else:
             target = ANY if peer == ANY_SOURCE else self.group[peer]
             req = self.transport.irecv(byte_view(arr), target, key, dtype_code(arr.dtype))
-        return req, limit, what
+        return req, limit, what, entry
+
+    def _wait_p2p(self, req: Any, limit: float, what: str, entry: Optional[list]) -> None:
+        """Wait for a posted point-to-point request, telling the flight recorder how it ended."""
+        if entry is None:
+            return self.transport.wait([req], limit, what)
+        try:
+            self.transport.wait([req], limit, what)
+        except BaseException as e:
+            self._recorder.fail(entry, e)
+            raise
+        self._recorder.complete_p2p(entry)
 
     def _source(self, req: Any) -> Optional[int]:
         """The communicator rank a completed request went to or came from (None while an any-source
@@ -635,14 +673,14 @@ class Communicator:
             self._ranks = {g: r for r, g in enumerate(self.group)}
         return self._ranks[req.peer]
 
-    def _p2p_work(self, req: Any, limit: float, what: str, result: Any) -> "P2PWork":
+    def _p2p_work(self, req: Any, limit: float, what: str, entry: Optional[list], result: Any) -> "P2PWork":
         """A Work finishing when the posted request `req` does, waited for on the p2p worker (in
         posting order, off the collectives' worker so neither stalls the other)."""
         if self._p2p_worker is None:
             self._p2p_worker = Worker(f"pycoll-{self.name}-p2p")
 
         def finish() -> Any:
-            self.transport.wait([req], limit, what)
+            self._wait_p2p(req, limit, what, entry)
             return result
         work = self._p2p_worker.submit(what, finish)
         return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes)
@@ -694,16 +732,47 @@ class Communicator:
         self._subgroups.add(made)
         return self._child(f"{self.name}/subgroup[{name}]({','.join(map(str, members))})", members)
 
-    def _child(self, name: str, members: List[int]) -> "Communicator":
+    def _child(self, name: str, members: List[int], lanes: Optional[Dict[int, int]] = None) -> "Communicator":
+        """A communicator of `members` (ranks of this one) on the same transport, with the selector's
+        model; a child of a communicator restored after a failure is restored too (ft.py)."""
         group = [self.group[r] for r in members]
         hosts = self.membership.hosts
         me = self.group[self.rank]
         same = [g for g in group if hosts[g] == hosts[me]]
         membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
         child = Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
-                             topology=self.topology.subset(members))
+                             topology=self.topology.subset(members), lanes=lanes)
         child.selector = self.selector.for_board(*child._board_capacity())  # the parent's model, its own board
+        ft.inherit(self, child)
         return child
+
+    # -- fault tolerance (ft.py) ------------------------------------------------------------------
+    def revoke(self) -> None:
+        """Make every live member's pending and later calls on this communicator raise RevokedError
+        (within a second, whatever they are doing); local, returns at once, idempotent. Then agree()."""
+        ft.revoke(self)
+
+    def agree(self, flag: bool = True, *, timeout: Optional[float] = None) -> Tuple[bool, List[int]]:
+        """(AND of every live member's `flag`, the members all survivors agree are dead): completes
+        although members die before or during it, and on a revoked communicator. Without dead members
+        the communicator works again afterwards; with some, shrink() it. Collective over the live members."""
+        return ft.agree(self, flag, timeout)
+
+    def shrink(self, *, timeout: Optional[float] = None) -> "Communicator":
+        """A new communicator of the live members, renumbered in order (collective over them); this
+        one is released. PartitionError on a side cut off from the majority of a multi-host one."""
+        return ft.shrink(self, timeout)
+
+    def _shrunk(self, name: str, group: List[int], lanes: Optional[Dict[int, int]]) -> "Communicator":
+        """shrink()'s communicator over `group` (transport ranks) with the agreed board `lanes`."""
+        return self._child(name, [self.group.index(g) for g in group], lanes)
+
+    def _hand_over(self, successor: "Communicator") -> None:
+        """shrink(): `successor` takes over the transport and store; this one is closed, waiting on nobody."""
+        successor._owns_transport, successor.store = self._owns_transport, self.store
+        self._owns_transport, self.store = False, None
+        ft.replace_default(self, successor)
+        self.close()
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

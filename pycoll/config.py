@@ -132,6 +132,12 @@ _VARS = [
         "`WARN`: warnings only; `INFO` (or `TRACE`): the tuner's calibration and each choice with its predicted time; `DETAIL`: "
         "before every collective all ranks compare (collective, dtype, count, op, root) and raise "
         "`pycoll.MismatchError` naming the first differing rank; every rank must set the same"),
+    Var("PYCOLL_TRACE_DIR", PATH, None,
+        "folder of the flight recorder: each rank writes `rank<R>.json` there when a pycoll error ends a "
+        "call, on SIGUSR1 or SIGTERM and after an uncaught exception, and keeps `rank<R>.live` (its "
+        "progress) up to date; read them with `pycoll trace DIR` (`pycoll run` sets it)"),
+    Var("PYCOLL_TRACE_BUFFER", integer(0), "2000",
+        "calls each communicator's flight recorder keeps (a ring); `0` turns recording off"),
     # -- where ranks are ---------------------------------------------------------------------
     Var("PYCOLL_TOPO_FILE", PATH, None,
         "JSON that declares hosts, NUMA nodes, NICs, RDMA devices and link speeds (docs/topology.md)"),
@@ -165,6 +171,10 @@ _VARS = [
         "bytes' worth of small (zmq) messages a tcp sender may have unconsumed at each peer (a message "
         "counts at least 8.5 KiB; `0`: unbounded). Sends past it wait for the receiver to hand credit "
         "back, so a rank running ahead cannot fill its peers' memory"),
+    Var("PYCOLL_TCP_HEARTBEAT", number(positive=False), "0",
+        "seconds of silence after which a tcp peer counts as dead (zmq heartbeats, sent every quarter "
+        "of it): how ranks cut off by a network partition, or frozen, are noticed; `0`: off (a dead process "
+        "is noticed anyway, by its dropped connection). `pycoll run --elastic` sets 10 unless given"),
     Var("PYCOLL_VERBS_SLOT", size(136), "64K",
         "bytes per verbs receive slot: messages that fit (less a 72-byte prefix) are sent eagerly, "
         "larger ones by RDMA write"),

@@ -18,6 +18,7 @@ from . import config
 from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import ProtocolError
+from .ids import derived_id
 from .ops import BFLOAT16_CODE, DTYPE_CODES, ReduceOp, dtype_code
 
 COLLECTIVES = ("allreduce", "reduce", "reduce_scatter", "broadcast", "allgather", "allgatherv",
@@ -98,6 +99,5 @@ def _dtype_name(code: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _shadow_id(comm_id: int) -> int:
-    """The communicator id the DETAIL check of `comm_id`'s calls travels on."""
-    return int.from_bytes(hashlib.blake2b(comm_id.to_bytes(8, "little") + b"/detail", digest_size=8).digest(),
-                          "little")
+    """The communicator id the DETAIL check of `comm_id`'s calls travels on (derived: revoked with it)."""
+    return derived_id(comm_id, "detail")

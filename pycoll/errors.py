@@ -18,15 +18,36 @@ class TimeoutError(PycollError, builtins.TimeoutError):
 
 
 class PeerError(PycollError):
-    """A peer broke the protocol, disconnected or died; `peer` is its rank (or None)."""
+    """A peer broke the protocol, disconnected or died; `peer` is its rank (or None), `ranks` the
+    ranks known dead when the error was raised (transport ranks: the world's numbering)."""
 
-    def __init__(self, message: str, peer: Optional[int] = None) -> None:
+    def __init__(self, message: str, peer: Optional[int] = None, ranks: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.peer = peer
+        self.ranks = sorted(set(ranks) | ({peer} if peer is not None and not ranks else set()))
 
 
 class ProtocolError(PeerError):
     """A message arrived that does not match what this rank expected."""
+
+
+class RevokedError(PycollError):
+    """The communicator was revoked (comm.revoke(), here or on any member): every pending and later
+    call on it raises this until the members agree() and shrink() (pycoll/ft.py). `by` is the
+    rank that revoked it, where known."""
+
+    def __init__(self, message: str, by: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.by = by
+
+
+class PartitionError(PycollError):
+    """After a failure this rank can reach only a minority of its communicator (a network partition
+    cut it off): it must not continue alone. `survivors` are the ranks it still reaches."""
+
+    def __init__(self, message: str, survivors: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.survivors = sorted(survivors)
 
 
 class StoreError(PycollError):

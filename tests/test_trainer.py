@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 
@@ -157,6 +158,11 @@ def test_cli_under_pycoll_run_learns_and_draws_the_straggler(tmp_path):
     assert re.search(r"scaling efficiency [\d.]+% = \d+ / \(2 x \d+ samples/s 1-rank baseline", out), out
     assert "replicas bit-identical across 2 rank(s): yes" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    events = json.loads((tmp_path / "steps.trace.json").read_text())["traceEvents"]  # every step, Chrome format
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert tracks == {(r, lane) for r in (0, 1) for lane in ("train", "comm worker")}
+    assert max(e["args"]["step"] for e in events if e["ph"] == "X") == 65  # all recorded steps, not the last 20
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"compute", "wait", "comm", "wait probe", "bucket 0"}
 
 
 @pytest.mark.timeout(60)

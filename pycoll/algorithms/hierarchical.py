@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from ..channel import Channel
-from ..ids import comm_hash
+from ..ids import derived_id
 from ..ops import ReduceOp
 from ..topology import Topology
 from . import linear, ring, tree
@@ -44,7 +44,7 @@ class PhasePicker(Protocol):
 def sub_channel(ch: Channel, members: Sequence[int], label: str) -> Channel:
     """A Channel over the comm ranks `members` (this rank must be one), on its own communicator id."""
     return ch.derive(group=[ch.group[m] for m in members], rank=list(members).index(ch.rank),
-                     comm_id=comm_hash(f"{ch.comm_id}/{label}"), what=f"{ch.what} [{label}]")
+                     comm_id=derived_id(ch.comm_id, label), what=f"{ch.what} [{label}]")
 
 
 def host_ordered(ch: Channel, topo: Topology) -> Tuple[Channel, List[int]]:

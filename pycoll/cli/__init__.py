@@ -1,4 +1,4 @@
-"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`, `pycoll env`."""
+"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`, `pycoll env`, `pycoll trace`."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ _COMMANDS = {
     "bench": ("pycoll.cli.bench", "nccl-tests-style benchmark, optionally beside Open MPI and Gloo"),
     "info": ("pycoll.cli.info", "topology (like nvidia-smi topo -m) and the tuner's table"),
     "env": ("pycoll.cli.env", "every PYCOLL_* variable's value here, or the README's tables of them"),
+    "trace": ("pycoll.cli.trace", "read a job's flight-recorder dumps: which rank and call hung or failed"),
 }
 
 

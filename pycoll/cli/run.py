@@ -8,6 +8,13 @@ MASTER_PORT in init_process_group, so torch scripts on any backend run unchanged
 is prefixed with `[rank R] `. The first rank to fail brings the whole job down, so no rank
 hangs forever in a collective waiting for a dead peer, and each rank runs in its own
 process group, so teardown also reaches the processes a rank started.
+
+Every rank gets PYCOLL_TRACE_DIR (--trace-dir, or a private folder kept only if the job fails), so
+the flight recorder keeps each rank's progress in a live file there. The launcher reads those files
+without disturbing the ranks: SIGQUIT prints them (one line per rank, then how many ranks are up to
+which call), and --hang-timeout ends a job whose files stop moving. Before it ends a failed, hung or
+timed-out job, it sends SIGUSR1 to every live rank, waits (bounded) for their dumps and prints
+`pycoll trace`'s verdict.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import socket
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Dict, List
@@ -25,11 +33,14 @@ from typing import IO, Dict, List
 from ..bootstrap.store import TCPStoreServer
 from ..bootstrap.token import draw, env_token
 from ..errors import EnvError, StoreError
+from ..trace import analysis
 
 MULTINODE_PORT = 29500  # the default master port when other nodes must know it in advance
 GRACE_S = 5.0  # how long ranks get between SIGTERM and SIGKILL at teardown
 TIMEOUT_EXIT = 124  # exit code when --timeout expires, as timeout(1) uses
 _POLL_S = 0.05
+DUMP_WAIT_S = 5.0  # how long ranks get to write their flight-recorder dumps before teardown
+_PROGRESS_POLL_S = 0.5  # how often --hang-timeout looks at the ranks' live files
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _OUTPUT_LOCK = threading.Lock()  # one lock for stdout and stderr: whole lines, never mixed
 
@@ -56,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "master port + 1 with several)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help=f"kill the job and exit {TIMEOUT_EXIT} if it runs longer than S seconds")
+    p.add_argument("--trace-dir", dest="trace_dir", default=None, metavar="DIR",
+                   help="PYCOLL_TRACE_DIR of every rank: flight-recorder dumps and live files land there "
+                        "(read them with `pycoll trace DIR`); default: a private folder kept only if the job fails")
+    p.add_argument("--hang-timeout", dest="hang_timeout", type=float, default=None, metavar="S",
+                   help="if no rank enters or completes a pycoll call for S seconds, print every rank's "
+                        f"progress, have the ranks dump their flight recorders, and end the job (exit {TIMEOUT_EXIT})")
+    p.add_argument("--elastic", action="store_true",
+                   help="a rank that dies (killed by a signal) does not end the job: the others may revoke, agree "
+                        "and shrink (pycoll/ft.py) and go on; exit 0 when every survivor exits 0. Sets "
+                        "PYCOLL_TCP_HEARTBEAT=10 unless it is set")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a Python module (python -m target)")
     p.add_argument("target", nargs="?", metavar="script.py|module|command",
@@ -127,6 +148,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"both are {args.store_port}")
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    if args.hang_timeout is not None and not args.hang_timeout > 0:
+        parser.error(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout:g}")
 
 
 def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
@@ -178,11 +201,21 @@ class _Job:
         self.procs: Dict[int, subprocess.Popen] = {}  # global rank -> process
         self.pumps: Dict[int, List[threading.Thread]] = {}
         self.signals: List[int] = []  # signals the launcher received, to forward
+        self.quits = 0  # SIGQUITs received: each asks for the live view
+        self.trace_dir = args.trace_dir or os.environ.get("PYCOLL_TRACE_DIR") or None
+        self.private_trace = self.trace_dir is None  # ours: removed unless the job fails
+        if self.trace_dir is None:
+            self.trace_dir = tempfile.mkdtemp(prefix="pycoll-trace-")
+        os.makedirs(self.trace_dir, exist_ok=True)
+        self.failed = False
+        self._lost: Dict[int, int] = {}  # --elastic: ranks killed by a signal -> exit code
 
     def run(self) -> int:
         """Start every rank and supervise them; always leaves no rank or rank's child behind."""
         in_main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in _HANDLED_SIGNALS} if in_main else {}
+        if in_main:
+            previous[signal.SIGQUIT] = signal.signal(signal.SIGQUIT, self._on_quit)
         try:
             for local_rank in range(self.args.nproc):
                 rank = self.args.node_rank * self.args.nproc + local_rank
@@ -196,9 +229,14 @@ class _Job:
             self._stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if self.private_trace and not (self.failed and analysis.dump_ranks(self.trace_dir)):
+                shutil.rmtree(self.trace_dir, ignore_errors=True)  # kept only while it holds a failure's dumps
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
+
+    def _on_quit(self, signum: int, frame: object) -> None:
+        self.quits += 1
 
     def _env(self, rank: int, local_rank: int) -> Dict[str, str]:
         a = self.args
@@ -206,10 +244,13 @@ class _Job:
                    LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
                    GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.master_port),
-                   PYCOLL_STORE_PORT=str(self.store_port), PYTHONUNBUFFERED="1")
+                   PYCOLL_STORE_PORT=str(self.store_port), PYCOLL_TRACE_DIR=self.trace_dir,
+                   PYTHONUNBUFFERED="1")
         env.pop("PYCOLL_STORE_HOSTED", None)  # that says "pycoll's store is at MASTER_PORT": not ours
         env["PYCOLL_JOB_TOKEN"] = self.token
         env.pop("PYCOLL_JOB_TOKEN_FILE", None)
+        if a.elastic:
+            env.setdefault("PYCOLL_TCP_HEARTBEAT", "10")  # ranks cut off by a partition count as dead
         return env
 
     def _spawn(self, rank: int, local_rank: int) -> None:
@@ -227,7 +268,11 @@ class _Job:
         """Wait for every rank; the first failure, a signal or the timeout ends the job."""
         deadline = None if self.args.timeout is None else time.monotonic() + self.args.timeout
         running = dict(self.procs)
+        seen, moved, looked = analysis.progress(self.trace_dir), time.monotonic(), 0.0
         while running:
+            if self.quits:
+                self.quits = 0
+                self._live_view("SIGQUIT")
             if self.signals:
                 signum = self.signals[0]
                 _say(f"received {signal.Signals(signum).name}; stopping all ranks")
@@ -236,16 +281,72 @@ class _Job:
             ended = {rank: code for rank, code in ((r, p.poll()) for r, p in running.items()) if code is not None}
             for rank in ended:
                 del running[rank]
+            if self.args.elastic:
+                self._lost.update({r: c for r, c in ended.items() if c < 0})
+                for rank in sorted(r for r, c in ended.items() if c < 0):
+                    _say(f"rank {rank} (pid {self.procs[rank].pid}) was killed by signal {_signal_name(-ended[rank])}; "
+                         "the others go on (--elastic)")
+                ended = {r: c for r, c in ended.items() if c >= 0}
             failed = sorted((rank for rank, code in ended.items() if code != 0),
                             key=lambda rank: (ended[rank] > 0, rank))  # a killed rank is the likelier cause
             if failed:
                 return self._fail(failed[0], ended[failed[0]], failed[1:])
             if deadline is not None and time.monotonic() >= deadline:
                 _say(f"the job ran past --timeout {self.args.timeout:g} s; killing all ranks")
+                self._post_mortem()
                 self._stop()
                 return TIMEOUT_EXIT
+            now = time.monotonic()
+            if self.args.hang_timeout is not None and now - looked >= _PROGRESS_POLL_S:
+                looked, snapshot = now, analysis.progress(self.trace_dir)
+                if snapshot != seen:
+                    seen, moved = snapshot, now
+                elif now - moved >= self.args.hang_timeout:
+                    self._live_view(f"no rank entered or completed a pycoll call for --hang-timeout "
+                                    f"{self.args.hang_timeout:g} s")
+                    self._post_mortem()
+                    _say("stopping all ranks")
+                    self._stop()
+                    return TIMEOUT_EXIT
             time.sleep(_POLL_S)
+        if self._lost and len(self._lost) == len(self.procs):
+            _say("every rank was killed; nobody survived (--elastic)")
+            return 1
         return 0
+
+    def _live_view(self, why: str) -> None:
+        """Print each rank's progress from its live file (the ranks are not disturbed)."""
+        _say(f"{why}: each rank's last pycoll calls (from {self.trace_dir}):")
+        for line in analysis.live_view(self.trace_dir, sorted(self.procs)):
+            _say(f"  {line}")
+
+    def _post_mortem(self) -> None:
+        """Have every live rank with a flight recorder dump it (SIGUSR1), wait for the dumps (at most
+        DUMP_WAIT_S), and print the verdict on them; the job is ended afterwards."""
+        self.failed = True
+        asked = time.time()
+        live_files = {r for r in self.procs if os.path.exists(os.path.join(self.trace_dir, f"rank{r}.live"))}
+        waiting = [r for r in sorted(live_files) if self.procs[r].poll() is None]
+        for r in waiting:  # only ranks with a live file: they installed the SIGUSR1 handler
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + DUMP_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            dumped = analysis.dump_ranks(self.trace_dir)
+            waiting = [r for r in waiting if dumped.get(r, 0) < asked - 1 and self.procs[r].poll() is None]
+            time.sleep(_POLL_S)
+        if waiting:
+            _say(f"{'rank' if len(waiting) == 1 else 'ranks'} {waiting} wrote no dump within {DUMP_WAIT_S:g} s")
+        try:
+            verdict = analysis.analyse(*analysis.load(self.trace_dir))
+        except analysis.TraceError:
+            return  # no rank used pycoll: nothing to say
+        for line in analysis.render(verdict).splitlines():
+            _say(line)
+        _say(f"flight-recorder dumps are in {self.trace_dir} (pycoll trace {self.trace_dir} --chrome out.json "
+             "draws them)")
 
     def _fail(self, rank: int, code: int, others: List[int]) -> int:
         """Report rank `rank`'s failure (and others that ended with it), stop the job, return its code."""
@@ -253,6 +354,7 @@ class _Job:
         how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         also = f" (ranks {others} failed at the same time)" if others else ""
         _say(f"rank {rank} (pid {self.procs[rank].pid}) {how}{also}; stopping all ranks")
+        self._post_mortem()
         self._stop()
         return code if code > 0 else 128 - code
 

@@ -306,7 +306,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def allgather_coalesced(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                             opts: Any = None) -> PycollWork:
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs)]
+        """outputs[r][j] receives rank r's inputs[j] (c10d's layout: one list per rank, as gloo)."""
+        works = [self.allgather([[per_rank[j] for per_rank in outputs]], [inp], opts)
+                 for j, inp in enumerate(inputs)]
         return self._join(works, [o for outs in outputs for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PycollWork:

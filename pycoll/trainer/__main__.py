@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from .loop import ConfigError, train
 from .optim import OPTIMIZERS
 from .report import Console, summary_lines
 from .schema import TrainConfig
-from .timeline import draw_timeline
+from .timeline import chrome_timeline, draw_timeline
 
 
 def parse_straggler(text: str) -> Tuple[int, float]:
@@ -69,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1-rank throughput (samples/s) for the scaling efficiency; default: measured in this run")
     p.add_argument("--blas-threads", type=int, default=d.blas_threads, metavar="T",
                    help=f"BLAS threads per rank (default {d.blas_threads}, as torchrun sets OMP_NUM_THREADS)")
-    p.add_argument("--timeline", metavar="OUT.png", help="draw each rank's steps (compute / comm / wait)")
+    p.add_argument("--elastic", action="store_true",
+                   help="go on when a rank dies: the survivors drop that step, shrink and re-shard "
+                        "(run under `pycoll run --elastic`)")
+    p.add_argument("--timeline", metavar="OUT.png",
+                   help="draw each rank's last steps (compute / comm / wait), and write all steps beside it as "
+                        "OUT.trace.json, a Chrome trace for https://ui.perfetto.dev or chrome://tracing")
     return p
 
 
@@ -79,21 +85,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                       hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
                       dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
-                      blas_threads=args.blas_threads)
+                      blas_threads=args.blas_threads, elastic=args.elastic)
     with pycoll.init() as comm:
         try:
             result = train(comm, cfg, Console(comm.rank == 0))
         except ConfigError as e:
             print(f"pycoll.trainer: {e}", file=sys.stderr)
             return 2
-        if comm.rank == 0:
+        if result.comm.rank == 0:
             for line in summary_lines(result, cfg):
                 print(line)
             if args.timeline:
                 straggler = f", rank {cfg.straggler[0]} +{cfg.straggler[1]:g} ms/step" if cfg.straggler else ""
                 draw_timeline(result.records, args.timeline, f"pycoll.trainer: {comm.size} rank(s), "
                               f"global batch {cfg.batch_size}, buckets of {cfg.bucket_kb:g} KiB{straggler}")
-                print(f"timeline written to {args.timeline}")
+                trace = os.path.splitext(args.timeline)[0] + ".trace.json"
+                chrome_timeline(result.records, trace)
+                print(f"timeline written to {args.timeline} (all steps as a Chrome trace: {trace})")
+        if result.comm is not comm:  # shrunk (--elastic): the survivors' communicator owns the transport now
+            result.comm.close()
     return 0
 
 

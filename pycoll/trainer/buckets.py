@@ -93,6 +93,16 @@ class GradBuckets:
             self._inflight.append(_Timed(self.comm.barrier(async_op=True)))
         self._inflight.append(_Timed(self.comm.allreduce(self.views[k], op="avg", async_op=True)))
 
+    def abandon(self) -> None:
+        """A step failed (elastic training): wait for its queued collectives to end, failed or not,
+        so none runs after the survivors have agreed and realigned their calls."""
+        for t in self._inflight:
+            try:
+                t.wait()
+            except Exception:  # each fails on its own; the step is dropped as a whole
+                pass
+        self._inflight = []
+
     def wait(self) -> np.ndarray:
         """Block until every bucket is averaged; return [probe launch, probe done, then per bucket
         launch, done] in perf_counter seconds (NaN without a communicator)."""

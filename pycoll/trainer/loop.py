@@ -4,11 +4,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from typing import Optional
+from typing import Callable, Optional, Tuple, TypeVar
 
 import numpy as np
 
 from ..comm import Communicator
+from .elastic import Elastic, Event
 from .data import Digits, eval_shard, global_batches, load_digits, shard, steps_per_epoch
 from .model import Params, forward, init_params, layer_sizes, loss_and_correct
 from .replica import Replica
@@ -16,6 +17,7 @@ from .report import Console, Window, epoch_line, header_line, step_line
 from .schema import Metrics, TrainConfig, TrainResult
 from .timing import breakdown, throughput
 
+T = TypeVar("T")
 BASELINE_STEPS = 20  # timed steps of the in-run 1-rank baseline (after one warm-up step)
 
 
@@ -61,34 +63,71 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResul
     total = per_epoch * cfg.epochs
     local_batch = cfg.batch_size // comm.size
     rows = np.empty((total, replica.record_width))
-    losses, correct = np.zeros(total), np.zeros(total)
+    losses, correct, seen = np.zeros(total), np.zeros(total), np.full(total, float(local_batch))
     comm.barrier()
     t_zero = time.perf_counter()  # the common origin of every rank's timeline (to a barrier's skew)
-    step = 0
+    elastic = Elastic(comm, lambda event: _announce(elastic, event)) if cfg.elastic else None
+    step = tried = 0  # steps that updated the model; steps attempted (a dropped one counts here only)
     for epoch in range(cfg.epochs):
         first = step
         for batch in global_batches(len(data.y_train), cfg.batch_size, epoch, cfg.seed):
-            mine = shard(batch, comm.rank, comm.size)
-            losses[step], correct[step], rows[step] = replica.step(data.x_train[mine], data.y_train[mine])
+            tried += 1
+            if elastic is None:
+                mine = shard(batch, comm.rank, comm.size)
+                losses[step], correct[step], rows[step] = replica.step(data.x_train[mine], data.y_train[mine])
+            else:  # the batch over whoever is left; a step that failed anywhere is dropped everywhere
+                replica.buckets.comm = elastic.comm  # (a report's reduction may have shrunk it too)
+                got = elastic.call(lambda c: replica.gradients(*_part(data, batch, c)), tried,
+                                   replica.buckets.abandon)
+                comm = elastic.comm
+                if got is None:
+                    continue
+                replica.update(got[2])
+                losses[step], correct[step], rows[step] = got
+                seen[step] = len(np.array_split(batch, comm.size)[comm.rank])
             step += 1
             if cfg.log_every and step % cfg.log_every == 0:
                 lo = step - cfg.log_every
-                window = _window(comm, losses[lo:step], correct[lo:step], local_batch, rows[lo:step])
+                window = _sync(elastic, comm, lambda c: _window(c, losses[lo:step], correct[lo:step], seen[lo:step],
+                                                          rows[lo:step]), tried)
                 console.line(step_line(epoch, cfg.epochs, step, total, window))
             console.progress(step, total)
-        window = _window(comm, losses[first:step], correct[first:step], local_batch, rows[first:step])
-        test = evaluate(comm, params, data.x_test, data.y_test)
+        window = _sync(elastic, comm, lambda c: _window(c, losses[first:step], correct[first:step], seen[first:step],
+                                                  rows[first:step]), tried)
+        test = _sync(elastic, comm, lambda c: evaluate(c, params, data.x_test, data.y_test), tried)
         console.line(epoch_line(epoch, cfg.epochs, window, test))
     console.done()
+    if elastic is not None:
+        comm = elastic.comm
 
     result = TrainResult(params=params, train=evaluate(comm, params, data.x_train, data.y_train), test=test,
-                         plan=replica.buckets.plan, replicas_identical=_replicas_identical(comm, params))
+                         plan=replica.buckets.plan, replicas_identical=_replicas_identical(comm, params),
+                         events=[] if elastic is None else elastic.events, comm=comm)
+    rows = rows[:step]
     gathered = comm.gather(rows - t_zero, root=0)
     if comm.rank == 0:
         result.records = gathered
         result.samples_per_s = throughput(gathered, cfg.batch_size)
         result.baseline_sps = result.samples_per_s if baseline is None else baseline
     return result
+
+
+def _part(data: Digits, batch: np.ndarray, comm: Communicator) -> Tuple[np.ndarray, np.ndarray]:
+    """This rank's share of a global batch over however many ranks are left (elastic: uneven shares)."""
+    mine = np.array_split(batch, comm.size)[comm.rank]
+    return data.x_train[mine], data.y_train[mine]
+
+
+def _sync(elastic: Optional[Elastic], comm: Communicator, fn: Callable[[Communicator], T], step: int) -> T:
+    """A reduction for the report: on `comm`, or, elastic, again over the survivors if a rank dies
+    during it."""
+    return fn(comm) if elastic is None else elastic.retry(fn, step)
+
+
+def _announce(elastic: Elastic, event: Event) -> None:
+    """Print a failure event on the (new) rank 0."""
+    if elastic.comm.rank == 0:
+        print(f"pycoll.trainer: {event}", flush=True)
 
 
 def evaluate(comm: Communicator, params: Params, x: np.ndarray, y: np.ndarray) -> Metrics:
@@ -99,11 +138,12 @@ def evaluate(comm: Communicator, params: Params, x: np.ndarray, y: np.ndarray) -
     return Metrics(loss=sums[0] / sums[2], accuracy=sums[1] / sums[2])
 
 
-def _window(comm: Communicator, losses: np.ndarray, correct: np.ndarray, local_batch: int,
+def _window(comm: Communicator, losses: np.ndarray, correct: np.ndarray, seen: np.ndarray,
             rows: np.ndarray) -> Window:
-    """Loss and accuracy over these steps of all ranks, with the time split averaged over ranks."""
+    """Loss and accuracy over these steps of all ranks (`seen`: samples per step here), with the time
+    split averaged over ranks."""
     b = breakdown(rows)
-    sums = comm.allreduce(np.array([losses.sum(), correct.sum(), len(losses) * local_batch, b.step.sum(),
+    sums = comm.allreduce(np.array([losses.sum(), correct.sum(), seen.sum(), b.step.sum(),
                                     b.compute.sum(), b.wait.sum(), b.comm.sum(), b.comm_total.sum()]))
     per_step_ms = 1000 * sums[3:] / (len(losses) * comm.size)
     return Window(sums[0] / sums[2], sums[1] / sums[2], *per_step_ms)

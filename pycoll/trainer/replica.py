@@ -31,6 +31,13 @@ class Replica:
     def step(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int, np.ndarray]:
         """Train on this rank's shard (x, y) of a global batch; return summed loss, right answers and
         the step's timing record (see timing.py)."""
+        loss, correct, row = self.gradients(x, y)
+        self.update(row)
+        return loss, correct, row
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int, np.ndarray]:
+        """The first part of step(): forward, backward and the averaged gradients, nothing updated
+        (elastic training applies them only once the survivors agree the step completed everywhere)."""
         row = np.empty(self.record_width)
         row[STEP_START] = time.perf_counter()
         if self.straggle_s:
@@ -43,6 +50,9 @@ class Replica:
         row[BACKWARD_END] = time.perf_counter()
         row[PROBE_LAUNCH:] = self.buckets.wait()
         row[SYNC_END] = time.perf_counter()
+        return loss, correct, row
+
+    def update(self, row: np.ndarray) -> None:
+        """The second part of step(): apply the averaged gradients."""
         self.optimizer.step(self.buckets.grads)
         row[STEP_END] = time.perf_counter()
-        return loss, correct, row

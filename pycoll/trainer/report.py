@@ -70,6 +70,7 @@ def summary_lines(result: TrainResult, cfg: TrainConfig) -> List[str]:
                  f"(global batch {cfg.batch_size}, {result.records.shape[1]} steps)")
     lines.append(_scaling_line(result.samples_per_s, ranks, result.baseline_sps, cfg))
     lines.append(f"replicas bit-identical across {ranks} rank(s): {'yes' if result.replicas_identical else 'NO'}")
+    lines += [f"elastic: {event}" for event in result.events]
     return lines
 
 

@@ -2,8 +2,8 @@
 (TrainResult, with its Metrics), apart from the code that runs and reports it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -25,6 +25,7 @@ class TrainConfig:
     straggler: Optional[Tuple[int, float]] = None  # (rank, milliseconds it sleeps every step)
     baseline_sps: Optional[float] = None  # 1-rank samples/s; None: measure it in this run
     blas_threads: int = 1  # per rank, like torchrun's OMP_NUM_THREADS=1: ranks share the cores
+    elastic: bool = False  # a dead rank costs its step: survivors shrink and go on (elastic.py)
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,5 @@ class TrainResult:
     records: Optional[np.ndarray] = None  # (ranks, steps, columns), seconds since the common start
     samples_per_s: Optional[float] = None
     baseline_sps: Optional[float] = None
+    events: List[Any] = field(default_factory=list)  # elastic.Event: ranks lost, when, and the recovery
+    comm: Any = None  # the communicator the run ended on (elastic: the survivors')

@@ -1,10 +1,12 @@
-"""Draw every rank's last training steps as coloured bars (compute / comm / wait) into a PNG."""
+"""Draw every rank's last training steps as coloured bars (compute / comm / wait) into a PNG, and
+write all of them as a Chrome trace (the format `pycoll trace --chrome` writes) for Perfetto."""
 from __future__ import annotations
 
 from typing import List, Tuple
 
 import numpy as np
 
+from ..trace import chrome
 from .timing import (BACKWARD_END, PROBE_DONE, PROBE_LAUNCH, STEP_END, STEP_START, SYNC_END, breakdown,
                      bucket_spans)
 
@@ -55,3 +57,23 @@ def draw_timeline(records: np.ndarray, path: str, title: str) -> None:
     fig.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
+
+
+def chrome_timeline(records: np.ndarray, path: str) -> None:
+    """Save every step of `records` (ranks, steps, columns; seconds) as a Chrome trace at `path`: per
+    rank a training-thread track (compute, wait, comm) and a worker track (the probe, each bucket)."""
+    origin = float(np.nanmin(records[:, :, STEP_START]))
+    events = []
+    for r, rows in enumerate(records - origin):
+        events += [chrome.process(r, f"rank {r}"), chrome.thread(r, 1, "train"), chrome.thread(r, 2, "comm worker")]
+        b = breakdown(rows)
+        waited = rows[:, BACKWARD_END] + b.wait
+        spans = bucket_spans(rows)
+        for step, row in enumerate(rows):
+            lanes = [(1, "compute", row[STEP_START], row[BACKWARD_END]), (1, "wait", row[BACKWARD_END], waited[step]),
+                     (1, "comm", waited[step], row[SYNC_END]), (1, "compute", row[SYNC_END], row[STEP_END]),
+                     (2, "wait probe", row[PROBE_LAUNCH], row[PROBE_DONE])]
+            lanes += [(2, f"bucket {k}", start, end) for k, (start, end) in enumerate(spans[step])]
+            events += [chrome.span(name, r, tid, float(start), float(end - start), "trainer", {"step": step})
+                       for tid, name, start, end in lanes if end > start]
+    chrome.write(events, path)

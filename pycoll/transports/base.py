@@ -7,15 +7,17 @@ receive is a ProtocolError. What a transport offers beyond that is declared in `
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Sequence, Type, TypeVar
+from typing import Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from ..bootstrap.store import Store
-from ..errors import PeerError, TimeoutError
+from ..errors import PeerError, RevokedError, TimeoutError
+from ..ids import notice_id
 from .capabilities import Capability
-from .matching import Matcher
+from .matching import Match, Matcher
 from .request import ANY, MsgKey, Request, Sink, as_bytes
 
 C = TypeVar("C", bound=Capability)
@@ -31,6 +33,7 @@ class Transport(ABC):
     lock, then start), and _shutdown for close()."""
 
     name = "base"
+    resilient = False  # survives a dead peer (revoke, settle, restore: pycoll/ft.py); tcp, shm and auto do
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -98,6 +101,67 @@ class Transport(ABC):
     def _shutdown(self) -> None:
         """close()'s work, run once."""
 
+    # -- fault tolerance (pycoll/ft.py): the matcher does the work, under the transport's lock -------
+    def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
+        """(lock, matcher) pairs whose matcher holds this transport's requests, each with the lock
+        that guards it (AutoTransport: both parts'). Only a `resilient` transport is revoked,
+        settled or restored (ft.py checks); for the others this answers that nothing was."""
+        return [(contextlib.nullcontext(), self.matcher)]
+
+    def revoke(self, root: int, peers: Iterable[int]) -> None:
+        """Revoke communicator `root` here (its pending and later requests fail with RevokedError)
+        and send a revocation notice to each of `peers` (transport ranks) that is not known gone."""
+        error = RevokedError(f"rank {self.rank}: communicator {root:#x} was revoked here (comm.revoke()); "
+                             "agree() and shrink() to go on", self.rank)
+        for lock, matcher in self._fault_domains():
+            with lock:
+                matcher.revoke(root, error)
+        key = MsgKey(notice_id(root), 0, 0)
+        for peer in peers:
+            if peer != self.rank:
+                self.isend(memoryview(b""), peer, key)  # fails at once for a gone peer; nobody waits on it
+
+    def revoked_error(self, root: int) -> Optional[RevokedError]:
+        """The error of communicator `root`'s requests if it was revoked (here or by a notice), else None."""
+        for _, matcher in self._fault_domains():
+            if matcher.revoked:
+                error = matcher.revoked.get(root)
+                if error is not None:
+                    return error
+        return None
+
+    def dead_peers(self) -> Set[int]:
+        """The peers known dead here (seen by this transport, or settled)."""
+        return set().union(*(matcher.dead for _, matcher in self._fault_domains()))
+
+    def settle(self, dead: Iterable[int]) -> None:
+        """The survivors agreed that `dead` (transport ranks) died: refuse them for good; their
+        deaths, seen here later, change nothing."""
+        dead = list(dead)
+        for lock, matcher in self._fault_domains():
+            with lock:
+                matcher.settle(dead)
+
+    def restore(self, root: int) -> None:
+        """Communicator `root` is sound again (Matcher.restore): not revoked, not stopped by a death."""
+        for lock, matcher in self._fault_domains():
+            with lock:
+                matcher.restore(root)
+
+    def restored(self, root: int) -> bool:
+        """Whether communicator `root` was restored (every part agrees)."""
+        return all(root in matcher.restored for _, matcher in self._fault_domains())
+
+    def purge(self, root: int, below: int, control: bool = False) -> None:
+        """Drop what is stashed or posted for communicator `root` below call `below` (Matcher.purge)."""
+        for lock, matcher in self._fault_domains():
+            with lock:
+                arrivals = matcher.purge(root, below, control)
+            self._release(arrivals)
+
+    def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
+        """Purged unexpected arrivals are gone: give back what they held (tcp: the sender's credit)."""
+
     def _timeout_error(self, reqs: Sequence[Request], timeout: float, what: object) -> TimeoutError:
         pending = [r for r in reqs if not r.done]
         return TimeoutError(
@@ -109,7 +173,11 @@ class Transport(ABC):
     def _raise_errors(reqs: Sequence[Request], what: object) -> None:
         for r in reqs:
             if isinstance(r.error, PeerError):  # say which call was hit, keep the error type
-                raise type(r.error)(f"{what}: {r.error}", r.error.peer) from r.error
+                error = type(r.error)(f"{what}: {r.error}", r.error.peer)
+                error.ranks = r.error.ranks
+                raise error from r.error
+            if isinstance(r.error, RevokedError):
+                raise RevokedError(f"{what}: {r.error}", r.error.by) from r.error
             if r.error is not None:
                 raise r.error
 

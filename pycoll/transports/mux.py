@@ -5,11 +5,12 @@ A single-host job is pure shm and never opens a socket; a rank alone on its host
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from .base import ANY, MsgKey, Request, Sink, Transport
 from .capabilities import SharedBoard, SharedMemory, SinkReceive
+from .matching import Match, Matcher
 from .shm import ShmTransport
 from .tcp import TcpTransport
 
@@ -20,6 +21,7 @@ class AutoTransport(Transport):
     """Routes each peer to shm (same host) or tcp (other hosts); waits on both when a call mixes them."""
 
     name = "auto"
+    resilient = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
@@ -80,8 +82,27 @@ class AutoTransport(Transport):
                 shm.progress()
             elif shm.wait_for(on_shm, step):
                 on_shm = []
+            if len(shm.matcher.revoked) != len(tcp.matcher.revoked):
+                self._share_revocations()
             if time.monotonic() >= deadline:
                 return False
+
+    def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
+        """Both parts' matchers: a revocation or an agreed death applies to every peer."""
+        return [d for t in (self._shm, self._tcp) if t is not None for d in t._fault_domains()]
+
+    def _share_revocations(self) -> None:
+        """A notice reaches one part (the revoker's route to us): revoke in the other part too, so
+        requests waiting there fail as well."""
+        for src, dst, lock in ((self._shm, self._tcp, self._tcp._match), (self._tcp, self._shm, self._shm._lock)):
+            for root, error in list(src.matcher.revoked.items()):
+                if root not in dst.matcher.revoked:
+                    with lock:
+                        dst.matcher.revoke(root, error)
+
+    def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
+        if self._tcp is not None:  # (shm holds no credit)
+            self._tcp._release([(m, a) for m, a in arrivals if self._route[m[0]] is self._tcp])
 
     def _shutdown(self) -> None:
         for t in (self._shm, self._tcp):

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import ContextManager, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
 from ..bootstrap.store import Store
@@ -53,7 +53,7 @@ from . import wire
 from .base import Request, Transport
 from .request import ANY
 from .liveness import PidWatch
-from .matching import Match
+from .matching import Match, Matcher
 from .capabilities import SharedBoard, SharedMemory, SinkReceive
 from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
 from .shm_window import ShmWindows
@@ -163,6 +163,7 @@ class ShmTransport(Transport):
     """Tagged point-to-point between the ranks of one host through shared-memory rings."""
 
     name = "shm"
+    resilient = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, local_only: bool = False) -> None:
@@ -342,11 +343,13 @@ class ShmTransport(Transport):
         else:
             return True
         deadline = time.monotonic() + timeout
+        faults = -1  # look once on entry (board posts are never admitted), then after each death or revocation
         with self._lock:
             while not all(r.done for r in reqs):
-                if self.matcher.broken is not None:
-                    self.matcher.fail_pending(reqs)
-                    return True
+                if self.matcher.faults != faults:
+                    faults = self.matcher.faults
+                    if self.matcher.fail_pending(reqs):
+                        continue
                 if not self._driving:
                     self._driving = True
                     try:
@@ -373,6 +376,8 @@ class ShmTransport(Transport):
         """Sweep the rings until `reqs` are done: after _SPIN fruitless sweeps, each followed by a
         yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
         idle = 0
+        faults = self.matcher.faults
+        look_at = time.monotonic() + _SLICE
         moved = self._sweep()
         while True:
             if moved:
@@ -381,12 +386,18 @@ class ShmTransport(Transport):
                 idle = 0
             if all(r.done for r in reqs):
                 return True
-            if self.matcher.broken is not None:
-                self.matcher.fail_pending(reqs)
-                return True
+            if self.matcher.faults != faults:  # a death or revocation: fail what it stops
+                faults = self.matcher.faults
+                if self.matcher.fail_pending(reqs):
+                    moved = False
+                    continue
             now = time.monotonic()
             if now >= deadline:
                 return False
+            if now >= look_at:  # spinning can last long on a crowded machine: look for deaths too
+                look_at = now + _SLICE
+                for peer in self._pids.exited():
+                    self._exited(peer)
             if idle < _SPIN:
                 idle += 1
                 self._lock.release()  # let other threads' isend/irecv, and other processes, run
@@ -686,6 +697,9 @@ class ShmTransport(Transport):
         else:
             req.view[:inb.got] = inb.dest[:inb.got]
             inb.dest, inb.req = req.view, req
+
+    def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
+        return [(self._lock, self.matcher)]
 
     # -- shutdown ------------------------------------------------------------------------------
     def _shutdown(self) -> None:

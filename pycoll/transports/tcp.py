@@ -15,7 +15,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import zmq
@@ -29,7 +29,7 @@ from . import wire
 from .base import MsgKey, Request, Transport
 from .capabilities import SinkReceive
 from .flow import Credits
-from .matching import fail
+from .matching import Match, Matcher, fail
 from .bulk import BulkLinks, Incoming, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
@@ -65,6 +65,7 @@ class TcpTransport(Transport):
     """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
 
     name = "tcp"
+    resilient = True
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None, *, peers: Optional[Sequence[int]] = None) -> None:
@@ -122,6 +123,7 @@ class TcpTransport(Transport):
         self._token = token
         store.set(f"tcp/{self.rank}", f"{self.endpoint} {self._bulk.endpoint}".encode())
         bulk_endpoints: Dict[int, str] = {}
+        heartbeat = config.get("PYCOLL_TCP_HEARTBEAT")
         for peer in self.peers:
             endpoint, bulk_endpoint = store.get(f"tcp/{peer}", timeout).decode().split()
             if peer != self.rank:
@@ -132,6 +134,9 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(8))
             if self._socket_buffer:
                 sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
+            if heartbeat and peer != self.rank:  # a silent peer (cut off, frozen) drops the connection
+                sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat * 250)))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat * 1000)))
             if peer != self.rank:  # a dropped connection means the peer died or closed: fail fast
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._peer_monitors[monitor] = peer
@@ -262,10 +267,15 @@ class TcpTransport(Transport):
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        faults = self.matcher.faults
         while True:
             pending = [r for r in reqs if not r.done and not self._send_finished(r)]
             if not pending:
                 return True
+            if self.matcher.faults != faults:  # a death or revocation: fail what it stops (sends too)
+                faults = self.matcher.faults
+                if self.matcher.fail_pending(pending):
+                    continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -395,8 +405,11 @@ class TcpTransport(Transport):
         with self._match:
             req = self.matcher.take(match)
             if req is None:
-                self.matcher.stash(match, (header, self._router.recv(copy=False)))
-                return
+                kept = self.matcher.stash(match, (header, self._router.recv(copy=False)))
+        if req is None:
+            if not kept:  # a revocation notice, acted on
+                self._consumed(peer, header.nbytes)
+            return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if req.error is not None:
             self._router.recv(copy=False)
@@ -493,6 +506,7 @@ class TcpTransport(Transport):
         (like NCCL's abort): a collective waiting on any rank would otherwise hang on it."""
         self._read_router()  # messages that arrived before the drop are still good
         died = peer not in self._said_bye
+        fresh = peer not in self.matcher.dead  # not settled by the survivors' agreement already
         self.dead[peer] = ("its connection dropped without a goodbye: the process died" if died else
                            "it closed its communicator")
         log.warning("rank %d: lost the tcp connection to rank %d (%s)", self.rank, peer, self.dead[peer])
@@ -506,11 +520,19 @@ class TcpTransport(Transport):
         if peer in self._bulk.socks:  # payloads half-way on its stream, either direction
             self._bulk.fail(peer, self.dead[peer])
         if self._flow is not None:  # sends held back for credit that will not come
-            for p in (self.peers if died else [peer]):
+            for p in (self.peers if died and fresh else [peer]):
                 with self._send_locks[p]:
                     for req in self._flow.drop(p):
                         fail(req, self.matcher.broken or PeerError(
                             f"rank {self.rank}: send to rank {p} could not finish: {self.dead[peer]}", p))
+
+    def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
+        return [(self._match, self.matcher)]
+
+    def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
+        """Purged arrivals were never consumed: return their credit to their senders."""
+        for match, (header, frame) in arrivals:
+            self._consumed(match[0], 0 if isinstance(frame, _Parked) else header.nbytes)
 
     def _check_length(self, req: Request, got: int) -> None:
         if got != req.nbytes and req.error is None:

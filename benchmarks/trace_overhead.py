@@ -1,0 +1,95 @@
+"""What the flight recorder costs: allreduce of 8 B and 1 MiB with the recorder on and off, interleaved.
+
+    python -m pycoll run -n 2 benchmarks/trace_overhead.py [--rounds 15] [--calls8 400] [--calls1m 40]
+
+Every rank makes two duplicates of the world communicator: one built with PYCOLL_TRACE_BUFFER=0
+(recording off) and one with the default ring (on; under `pycoll run` PYCOLL_TRACE_DIR is set, so
+the live file is updated too). Each round times a batch of calls on one, then on the other, the order
+alternating round by round, so drift in the machine's load hits both alike. Rank 0 prints, per size,
+the median over rounds of the batch's mean call time, the spread (25th-75th percentile of the rounds),
+on/off of the medians, and the median of the rounds' on/off ratios (each on batch against the off
+batch next to it, which cancels slow drift in a noisy machine's load). A second table times the recording alone (enter + complete, call site included) in a loop.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Dict, List
+
+import numpy as np
+
+import pycoll
+from pycoll.trace import recorder
+
+
+def _batch(comm: pycoll.Communicator, x: np.ndarray, calls: int) -> float:
+    comm.barrier()
+    t = time.perf_counter()
+    for _ in range(calls):
+        comm.allreduce(x)
+    return (time.perf_counter() - t) / calls
+
+
+def _quartiles(values: List[float]) -> str:
+    q = statistics.quantiles(values, n=4)
+    return f"{q[0] * 1e6:.1f}-{q[2] * 1e6:.1f}"
+
+
+def _record_alone(n: int) -> float:
+    """Seconds per enter + complete of a recorder (ring of 2000), call site included."""
+    rec = recorder.Recorder("bench", 1, 0, [0], 2000)
+    fp = (np.dtype(np.float32), 2, pycoll.ReduceOp.SUM, None)
+    t = time.perf_counter()
+    for _ in range(n):
+        rec.complete(rec.enter(1, "allreduce", fp, None, False))
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls8", type=int, default=400, help="calls per batch at 8 B")
+    p.add_argument("--calls1m", type=int, default=40, help="calls per batch at 1 MiB")
+    args = p.parse_args()
+    world = pycoll.init()
+    os.environ["PYCOLL_TRACE_BUFFER"] = "0"
+    off = world.dup()
+    os.environ["PYCOLL_TRACE_BUFFER"] = "2000"
+    on = world.dup()
+    assert off._recorder is None and on._recorder is not None
+    results: Dict[int, Dict[str, List[float]]] = {}
+    for nbytes, calls in ((8, args.calls8), (1 << 20, args.calls1m)):
+        x = np.ones(nbytes // 4, np.float32)
+        for comm in (off, on):  # warm both: connections, boards, the algorithm's buffers
+            _batch(comm, x, max(10, calls // 4))
+        runs: Dict[str, List[float]] = {"off": [], "on": []}
+        for r in range(args.rounds):
+            order = (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))
+            for name, comm in order:
+                runs[name].append(_batch(comm, x, calls))
+        results[nbytes] = runs
+    if world.rank == 0:
+        print(f"allreduce, {world.size} ranks over {world.transport.name}, {args.rounds} interleaved rounds "
+              f"(PYCOLL_TRACE_DIR {'set' if os.environ.get('PYCOLL_TRACE_DIR') else 'unset'})")
+        print("| size | recorder off: median us (IQR) | recorder on: median us (IQR) | on/off of medians "
+              "| on/off paired by round: median (IQR) |")
+        print("|---|---|---|---|---|")
+        for nbytes, runs in results.items():
+            m_off, m_on = statistics.median(runs["off"]), statistics.median(runs["on"])
+            ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
+            q = statistics.quantiles(ratios, n=4)
+            label = "8 B" if nbytes == 8 else "1 MiB"
+            print(f"| {label} | {m_off * 1e6:.1f} ({_quartiles(runs['off'])}) | {m_on * 1e6:.1f} "
+                  f"({_quartiles(runs['on'])}) | {m_on / m_off:.3f} | {statistics.median(ratios):.3f} "
+                  f"({q[0]:.3f}-{q[2]:.3f}) |")
+        alone = statistics.median(_record_alone(20000) for _ in range(5))
+        print(f"\nrecording alone (enter + complete, call site included): {alone * 1e9:.0f} ns per call")
+    for comm in (on, off):
+        comm.close()
+    world.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""The flight recorder: every communicator's last calls, kept in a fixed ring and dumped as JSON.
+
+Recording is on the hot path of every call, so it does no formatting: enter() stores one small
+list (call number, collective, the fingerprint tuple the communicator built anyway, the algorithm
+function, times, the user's file and line) in a preallocated ring, and complete() flips its state.
+Everything is turned into text only when a dump is written: when a pycoll error ends a call, on
+SIGUSR1 (the job goes on), on SIGTERM (then the process ends as it would have), and after an
+uncaught exception, each to PYCOLL_TRACE_DIR/rank<R>.json (written whole, then renamed).
+
+With PYCOLL_TRACE_DIR set, each process also keeps a small memory-mapped file,
+PYCOLL_TRACE_DIR/rank<R>.live, holding per communicator the last call entered and completed.
+A launcher reads it at any time without disturbing the rank (and it outlives a killed rank):
+that is how `pycoll run` detects a job that makes no progress and prints its live view.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .. import config
+from ..errors import PeerError, TimeoutError
+
+QUEUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3
+STATES = ("queued", "started", "completed", "failed")
+P2P_CALLS = ("send", "recv", "isend", "irecv")
+FORMAT = 1  # the dump's "pycoll_trace" version
+
+# one ring entry: a list indexed by these (a list, not an object: cheapest to build and to update)
+SEQ, CALL, FP, ALGO, STATE, T_ENTER, T_START, T_END, FILE, LINE, PEERS, ERROR = range(12)
+
+# the live file: a header, then SLOTS slots of SLOT_BYTES (8 int64 columns, then the name)
+LIVE_MAGIC = b"PYCLIVE1"
+LIVE_HEADER = struct.Struct("<8sqqq")  # magic, rank, pid, slots
+LIVE_SLOTS = 64
+LIVE_SLOT_BYTES = 128
+LIVE_NAME_BYTES = 64
+LIVE_COLUMNS = ("comm_id", "size", "entered", "completed", "p2p_entered", "p2p_completed", "failed", "used")
+_C_ENTERED, _C_COMPLETED, _C_P2P_ENTERED, _C_P2P_COMPLETED, _C_FAILED = 2, 3, 4, 5, 6
+LIVE_BYTES = LIVE_HEADER.size + LIVE_SLOTS * LIVE_SLOT_BYTES
+
+MAX_DUMP_COMMS = 64  # a dump holds at most this many communicators (the most recently used)
+MAX_TEXT = 600  # error messages are cut to this many characters in a dump
+MAX_FRAMES = 24  # stack frames kept per thread in a dump
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OUTSIDE = (os.path.join(_PACKAGE_DIR, "trainer") + os.sep,)  # pycoll's own applications count as user code
+_internal: Dict[str, bool] = {}  # code file name -> inside pycoll (or torch.distributed)?
+_time = time.time
+
+
+def _is_internal(filename: str) -> bool:
+    """Whether a frame of `filename` is library code that a call site should look past."""
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    if path.startswith(_PACKAGE_DIR) and not path.startswith(_OUTSIDE):
+        return True
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(getattr(torch, "__file__", None) or "") if torch is not None else ""
+    return bool(torch_dir) and path.startswith(torch_dir + os.sep)
+
+
+def _site(entry: List[Any], depth: int) -> None:
+    """Store the code object and instruction offset of the first frame outside pycoll (and torch)
+    in `entry`: the line number is worked out from them only when a dump is written (f_lineno
+    decodes the line table, which costs more than the rest of recording together)."""
+    try:
+        f: Any = sys._getframe(depth)
+    except ValueError:
+        return
+    known = _internal
+    while f is not None:
+        code = f.f_code
+        inside = known.get(code.co_filename)
+        if inside is None:
+            inside = known[code.co_filename] = _is_internal(code.co_filename)
+        if not inside:
+            entry[FILE], entry[LINE] = code, f.f_lasti
+            return
+        f = f.f_back
+
+
+def _line(code: Any, lasti: int) -> Optional[int]:
+    """The source line of instruction offset `lasti` in `code`."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line
+    return code.co_firstlineno
+
+
+class Recorder:
+    """One communicator's ring of its last `capacity` calls (collectives and point-to-point)."""
+
+    __slots__ = ("name", "comm_id", "rank", "group", "capacity", "_ring", "_n", "_p2p", "_live", "_base",
+                 "__weakref__")
+
+    def __init__(self, name: str, comm_id: int, rank: int, group: Sequence[int], capacity: int) -> None:
+        self.name, self.comm_id, self.rank, self.group = name, comm_id, rank, list(group)
+        self.capacity = capacity
+        self._ring: List[Optional[list]] = [None] * capacity
+        self._n = 0  # entries ever recorded
+        self._p2p = 0  # point-to-point calls ever entered (their call numbers)
+        self._live: Optional[memoryview] = None  # int64 view of the live file, where there is one
+        self._base = 0  # this communicator's first column in it
+
+    # -- the hot path -----------------------------------------------------------------------------
+    def enter(self, seq: int, call: str, fingerprint: Tuple, algo: Any, queued: bool) -> list:
+        """Record that call number `seq` was entered (QUEUED behind earlier work, or STARTED)."""
+        t = _time()
+        e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t, 0.0, None, 0, None, None]
+        # the call site, as _site() finds it, inlined (this is the hot path): the user's frame is at
+        # the nearest 3 frames up (enter, Communicator._run, the collective's method); a call from a
+        # thread that C++ started (torch's autograd engine running DDP's hook) may have fewer
+        try:
+            f: Any = sys._getframe(3)
+        except ValueError:
+            f = None
+        known = _internal
+        while f is not None:
+            code = f.f_code
+            inside = known.get(code.co_filename)
+            if inside is None:
+                inside = known[code.co_filename] = _is_internal(code.co_filename)
+            if not inside:
+                e[FILE], e[LINE] = code, f.f_lasti
+                break
+            f = f.f_back
+        n = self._n
+        self._ring[n % self.capacity] = e
+        self._n = n + 1
+        if self._live is not None:
+            self._live[self._base + _C_ENTERED] = seq
+        return e
+
+    def enter_p2p(self, call: str, fingerprint: Tuple) -> list:
+        """Record a point-to-point call (`fingerprint`: dtype, count, peer, tag); numbered on its own."""
+        self._p2p += 1
+        t = _time()
+        e = [self._p2p, call, fingerprint, None, STARTED, t, t, 0.0, None, 0, None, None]
+        _site(e, 2)
+        n = self._n
+        self._ring[n % self.capacity] = e
+        self._n = n + 1
+        if self._live is not None:
+            self._live[self._base + _C_P2P_ENTERED] = self._p2p
+        return e
+
+    def start(self, e: list) -> None:
+        """A queued call began running."""
+        e[STATE], e[T_START] = STARTED, _time()
+
+    def complete(self, e: list) -> None:
+        """The collective finished without an error."""
+        e[STATE], e[T_END] = COMPLETED, _time()
+        if self._live is not None:
+            self._live[self._base + _C_COMPLETED] = e[SEQ]
+
+    def complete_p2p(self, e: list) -> None:
+        """The point-to-point call finished without an error."""
+        e[STATE], e[T_END] = COMPLETED, _time()
+        if self._live is not None:
+            self._live[self._base + _C_P2P_COMPLETED] += 1
+
+    def fail(self, e: list, error: BaseException) -> None:
+        """The call ended with `error`: keep whom it still waited for, and dump if it is pycoll's."""
+        e[STATE], e[T_END] = FAILED, _time()
+        if isinstance(error, TimeoutError):
+            e[PEERS] = list(error.peers)
+        elif isinstance(error, PeerError) and error.peer is not None:
+            e[PEERS] = [error.peer]
+        e[ERROR] = f"{type(error).__name__}: {error}"[:MAX_TEXT]
+        if self._live is not None and e[CALL] not in P2P_CALLS:
+            self._live[self._base + _C_FAILED] = e[SEQ]
+        if isinstance(error, (TimeoutError, PeerError)):
+            where = None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])} in {e[FILE].co_name}"
+            PROCESS.dump(f"{type(error).__name__} in {e[CALL]} (call {e[SEQ]} on {self.name})",
+                         where=where, error=e[ERROR])
+
+    def traced(self, e: list, body: Any) -> Any:
+        """`body(ch)` of a queued call, recording when it starts and how it ends."""
+        def run(ch: Any) -> Any:
+            self.start(e)
+            try:
+                result = body(ch)
+            except BaseException as error:
+                self.fail(e, error)
+                raise
+            self.complete(e)
+            return result
+        return run
+
+    # -- reading it -------------------------------------------------------------------------------
+    def entries(self) -> List[list]:
+        """Copies of the recorded entries, oldest first."""
+        n, cap, ring = self._n, self.capacity, list(self._ring)
+        order = range(n) if n <= cap else range(n - cap, n)
+        return [list(e) for e in (ring[i % cap] for i in order) if e is not None]
+
+    def last_time(self) -> float:
+        """When the newest entry was entered (0 if none)."""
+        e = self._ring[(self._n - 1) % self.capacity] if self._n else None
+        return e[T_ENTER] if e is not None else 0.0
+
+    def describe(self) -> Dict[str, Any]:
+        """This communicator and its calls as JSON-ready data."""
+        return {"name": self.name, "id": f"{self.comm_id:#018x}", "rank": self.rank, "size": len(self.group),
+                "group": self.group, "capacity": self.capacity, "recorded": self._n,
+                "calls": [_entry_json(e) for e in self.entries()]}
+
+
+def _entry_json(e: list) -> Dict[str, Any]:
+    p2p = e[CALL] in P2P_CALLS
+    dtype, count, third, fourth = (tuple(e[FP]) + (None,) * 4)[:4] if e[FP] else (None,) * 4
+    out: Dict[str, Any] = {"seq": e[SEQ], "call": e[CALL], "p2p": p2p,
+                           "dtype": None if dtype is None else str(dtype), "count": _count(count)}
+    if p2p:
+        out.update(peer=third, tag=fourth)
+    else:
+        out.update(op=None if third is None else getattr(third, "value", str(third)), root=fourth,
+                   algo=_algo_name(e[ALGO]))
+    out.update(state=STATES[e[STATE]], enter=e[T_ENTER], start=e[T_START], end=e[T_END] or None,
+               site=None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])}")
+    if e[PEERS] is not None:
+        out["waiting_for"] = e[PEERS]
+    if e[ERROR] is not None:
+        out["error"] = e[ERROR]
+    return out
+
+
+def _count(count: Any) -> Any:
+    """An element count, or per-rank counts (cut to 16 and summed past that)."""
+    if count is None or isinstance(count, int):
+        return count
+    try:
+        counts = [int(c) for c in count]
+    except TypeError:
+        return int(count)
+    return counts if len(counts) <= 16 else {"total": sum(counts), "first": counts[:16]}
+
+
+def _algo_name(fn: Any) -> Optional[str]:
+    if fn is None:
+        return None
+    fn = getattr(fn, "func", fn)  # functools.partial of the topology-aware ones
+    module = getattr(fn, "__module__", None) or ""
+    return module.rsplit(".", 1)[-1] or getattr(fn, "__name__", repr(fn))
+
+
+def _frames(frame: Any) -> List[str]:
+    """A stack, innermost last, as 'file:line in function' lines (the last MAX_FRAMES)."""
+    return [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in traceback.extract_stack(frame)[-MAX_FRAMES:]]
+
+
+def _user_frame(frame: Any) -> Optional[str]:
+    """Where a stack is in the user's code, as 'file:line in function': the caller of its outermost
+    pycoll frame (a rank blocked in a call), else its innermost frame (a rank in its own code)."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    flags = []
+    for f in stack:
+        name = f.f_code.co_filename
+        inside = _internal.get(name)
+        if inside is None:
+            inside = _internal[name] = _is_internal(name)
+        flags.append(inside)
+    outermost = max((i for i, inside in enumerate(flags) if inside), default=-1)
+    for f, inside in zip(stack[outermost + 1:], flags[outermost + 1:]):
+        name = f.f_code.co_filename
+        if not inside and not name.startswith("<") and not name.endswith("threading.py"):
+            return f"{name}:{f.f_lineno} in {f.f_code.co_name}"
+    return None
+
+
+class _Process:
+    """What one process records: its communicators' rings, the trace folder, the live file, hooks."""
+
+    def __init__(self) -> None:
+        self.recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+        self.rank: Optional[int] = None
+        self.folder: Optional[str] = None
+        self.live: Optional[memoryview] = None
+        self.live_map: Optional[mmap.mmap] = None
+        self.slots = 0
+        self.hooked = False
+        self.lock = threading.RLock()  # guards set-up and dump writing, never the hot path
+        self.dumps = itertools.count()
+
+    def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int]) -> Optional[Recorder]:
+        """A Recorder for a new communicator (None with PYCOLL_TRACE_BUFFER=0); the first one fixes
+        this process's rank and, with PYCOLL_TRACE_DIR, opens the live file and installs the hooks."""
+        capacity = config.get("PYCOLL_TRACE_BUFFER")
+        if capacity == 0:
+            return None
+        rec = Recorder(name, comm_id, rank, group, capacity)
+        with self.lock:
+            if self.rank is None:
+                self.rank = group[rank]
+            folder = config.get("PYCOLL_TRACE_DIR")
+            if folder and self.folder is None:
+                self._open(folder)
+            self.recorders.add(rec)
+            if self.live is not None and self.slots < LIVE_SLOTS:
+                self._claim(rec)
+        if self.folder and not self.hooked:
+            self._hook()
+        return rec
+
+    def _open(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.folder = folder
+        path = os.path.join(folder, f"rank{self.rank}.live")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, LIVE_BYTES)
+            self.live_map = mmap.mmap(fd, LIVE_BYTES)
+        finally:
+            os.close(fd)
+        LIVE_HEADER.pack_into(self.live_map, 0, LIVE_MAGIC, self.rank, os.getpid(), LIVE_SLOTS)
+        self.live = memoryview(self.live_map)[LIVE_HEADER.size:].cast("q")
+
+    def _claim(self, rec: Recorder) -> None:
+        """Give `rec` the next slot of the live file."""
+        base = self.slots * (LIVE_SLOT_BYTES // 8)
+        name = rec.name.encode()[:LIVE_NAME_BYTES]
+        offset = LIVE_HEADER.size + self.slots * LIVE_SLOT_BYTES
+        assert self.live is not None and self.live_map is not None
+        self.live_map[offset + 64:offset + 64 + LIVE_NAME_BYTES] = name.ljust(LIVE_NAME_BYTES, b"\0")
+        self.live[base:base + 8] = memoryview(struct.pack("<8q", rec.comm_id - (1 << 64) * (rec.comm_id >= 1 << 63),
+                                                          len(rec.group), 0, 0, 0, 0, 0, 1)).cast("q")
+        self.slots += 1
+        rec._live, rec._base = self.live, base
+
+    def _hook(self) -> None:
+        """Dump on SIGUSR1 (and go on), on SIGTERM (then end as SIGTERM would), and after an uncaught
+        exception. Signals only where nobody else handles them, and only from the main thread."""
+        self.hooked = True
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in ((signal.SIGUSR1, self._on_usr1), (signal.SIGTERM, self._on_term)):
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    signal.signal(signum, handler)
+        previous = sys.excepthook
+
+        def hook(kind: Any, value: BaseException, tb: Any) -> None:
+            if not isinstance(value, KeyboardInterrupt):
+                inner = traceback.extract_tb(tb)
+                where = next((f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in reversed(inner)
+                              if not _is_internal(fs.filename)), None)
+                self.dump(f"uncaught {kind.__name__}", stack=[f"{fs.filename}:{fs.lineno} in {fs.name}"
+                                                             for fs in inner[-MAX_FRAMES:]],
+                          where=where, error=f"{kind.__name__}: {value}"[:MAX_TEXT])
+            previous(kind, value, tb)
+        sys.excepthook = hook
+
+    def _on_usr1(self, signum: int, frame: Any) -> None:
+        self.dump("SIGUSR1", frame=frame)
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self.dump("SIGTERM", frame=frame)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def dump(self, reason: str, *, frame: Any = None, stack: Optional[List[str]] = None, where: Optional[str] = None,
+             error: Optional[str] = None, path: Optional[str] = None) -> Optional[str]:
+        """Write every communicator's ring to `path` (default PYCOLL_TRACE_DIR/rank<R>.json); return
+        the path, or None without a folder. `frame`: where the main thread is (a signal's frame)."""
+        path = path or (os.path.join(self.folder, f"rank{self.rank}.json") if self.folder else None)
+        if path is None or self.rank is None:  # no folder, or nothing recorded (PYCOLL_TRACE_BUFFER=0)
+            return None
+        if frame is None and stack is None:
+            frame = sys._getframe(1)
+        threads = {t.ident: t.name for t in threading.enumerate()}
+        recs = sorted(list(self.recorders), key=lambda r: r.last_time(), reverse=True)[:MAX_DUMP_COMMS]
+        data = {"pycoll_trace": FORMAT, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "time": _time(), "reason": reason, "error": error,
+                "where": where or (_user_frame(frame) if frame is not None else None),
+                "stack": stack if stack is not None else _frames(frame),
+                "threads": {threads.get(ident, str(ident)): at for ident, at in
+                            ((i, _user_frame(f)) for i, f in sys._current_frames().items()) if at},
+                "comms": [r.describe() for r in recs]}
+        tmp = f"{path}.{os.getpid()}.{next(self.dumps)}.tmp"  # unique: a signal may dump inside a dump
+        try:
+            with self.lock:
+                with open(tmp, "w") as out:
+                    json.dump(data, out, separators=(",", ":"), default=str)
+                os.replace(tmp, path)
+        except OSError as e:  # a full disk must not hide the error that asked for the dump
+            print(f"pycoll: rank {self.rank}: cannot write the flight recorder's dump {path}: {e}", file=sys.stderr)
+            return None
+        return path
+
+
+PROCESS = _Process()
+
+
+def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int]) -> Optional[Recorder]:
+    """The Recorder of a new communicator, or None when PYCOLL_TRACE_BUFFER=0 turns recording off."""
+    return PROCESS.recorder(name, comm_id, rank, group)
+
+
+def dump(path: Optional[str] = None, reason: str = "requested") -> Optional[str]:
+    """Write this process's flight recorder now (to `path`, or PYCOLL_TRACE_DIR/rank<R>.json); the
+    path, or None when there is nowhere to write or recording is off."""
+    return PROCESS.dump(reason, frame=sys._getframe(1), path=path)
+
+
+def read_live(path: str) -> Dict[str, Any]:
+    """A live file's contents: {"rank", "pid", "comms": [{"name", "size", "entered", "completed", ...}]}."""
+    with open(path, "rb") as f:
+        raw = f.read(LIVE_BYTES)
+    if len(raw) < LIVE_BYTES or raw[:8] != LIVE_MAGIC:
+        raise ValueError(f"{path} is not a pycoll live file")
+    _, rank, pid, slots = LIVE_HEADER.unpack_from(raw, 0)
+    comms = []
+    for s in range(slots):
+        offset = LIVE_HEADER.size + s * LIVE_SLOT_BYTES
+        cols = dict(zip(LIVE_COLUMNS, struct.unpack_from("<8q", raw, offset)))
+        if not cols.pop("used"):
+            continue
+        cols["name"] = raw[offset + 64:offset + 64 + LIVE_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
+        cols["comm_id"] = f"{cols['comm_id'] & ((1 << 64) - 1):#018x}"
+        comms.append(cols)
+    return {"rank": rank, "pid": pid, "comms": comms}
