@@ -2,11 +2,12 @@
 
     python benchmarks/shm_offsets.py TREE [TREE ...] [--rounds 3] [--ranks 4] [--sizes 1,16,64]
 
-Each round launches `pycoll run -n RANKS` over shm once per tree (trees alternate, their order
-flipping every round). In a launch every rank times in-place float32 SUM allreduce on buffers that
-start at byte 0, 8, 16, 64 and 2048+16 of a page (sliced out of a larger array), and, where the tree
-has registered buffers (`Communicator.empty`), on slices of a registered buffer at the same offsets;
-the calls of all variants of a size are interleaved (one call of each in turn). A launch reports per
+Each round launches `pycoll run -n RANKS` over shm once per tree and kind of buffer (the order
+rotating every round). In a launch every rank times in-place float32 SUM allreduce on buffers that
+start at byte 0, 8, 16, 64 and 2048+16 of a page: slices of a larger ordinary array ("plain"), or,
+where the tree has registered buffers (`Communicator.empty`), in a launch of their own (a
+communicator that has registered buffers asks at every call whether all ranks pass one), slices of
+a registered buffer; the calls of the offsets of a size are interleaved (one call of each in turn). A launch reports per
 variant the slowest rank's median call, and the largest median CPU time (user+sys) a rank spent per
 call: with 4 ranks on 2 cores other jobs' load moves the wall time by 2x and more, the CPU time far
 less. Prints per (tree, size, registered) the median over launches (spread: min-max of the launch
@@ -27,14 +28,14 @@ OFFSETS = (0, 8, 16, 64, 2048 + 16)
 
 RANK = r'''
 import json, time, numpy as np, pycoll
-OFFSETS, SIZES, CALLS = %r, %r, %r
+OFFSETS, SIZES, CALLS, KIND = %r, %r, %r, %r
 comm = pycoll.init()
-registered = hasattr(comm, "empty")
+registered = KIND == "registered"
 out = {}
 for mib in SIZES:
     nbytes = mib << 20
     variants = []
-    for off in OFFSETS:
+    for off in OFFSETS if not registered else ():
         raw = np.empty(nbytes + 8192, np.uint8)
         base = (-raw.ctypes.data) %% 4096
         variants.append(("plain", off, raw[base + off:base + off + nbytes].view(np.float32)))
@@ -70,10 +71,10 @@ comm.close()
 '''
 
 
-def launch(tree: str, ranks: int, sizes: List[int], calls: Dict[int, int]) -> Dict[str, float]:
-    """One `pycoll run` job of `tree` over shm; {"MiB/kind/offset": seconds}."""
+def launch(tree: str, kind: str, ranks: int, sizes: List[int], calls: Dict[int, int]) -> Dict[str, float]:
+    """One `pycoll run` job of `tree` over shm on `kind` buffers; {"MiB/kind/offset[/cpu]": seconds}."""
     env = dict(os.environ, PYTHONPATH=tree, PYCOLL_TRANSPORT="shm")
-    script = RANK % (OFFSETS, sizes, calls)
+    script = RANK % (OFFSETS, sizes, calls, kind)
     cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(ranks), sys.executable, "-c", script]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tree)
     for line in out.stdout.splitlines():
@@ -92,9 +93,11 @@ def main() -> None:
     sizes = [int(s) for s in a.sizes.split(",")]
     calls = {s: max(6, min(40, 256 // s)) for s in sizes}
     got: Dict[Tuple[str, str], List[float]] = {}
+    jobs = [(tree, kind) for tree in a.trees for kind in ("plain", "registered")
+            if kind == "plain" or os.path.exists(os.path.join(tree, "pycoll", "windows.py"))]
     for r in range(a.rounds):
-        for tree in (a.trees if r % 2 == 0 else a.trees[::-1]):
-            for key, t in launch(tree, a.ranks, sizes, calls).items():
+        for tree, kind in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
+            for key, t in launch(tree, kind, a.ranks, sizes, calls).items():
                 got.setdefault((tree, key), []).append(t)
         print(f"round {r + 1}/{a.rounds} done at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     print(f"N={a.ranks}, shm, in-place float32 SUM; median over {a.rounds} launches of the slowest rank's "
