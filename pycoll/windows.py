@@ -20,7 +20,9 @@ Whether a call takes the registered path is decided collectively (algorithms/sym
 rank posts where its buffers lie (window id, offset, size, dtype) on the board, and the registered
 path runs only if every rank's are registered; otherwise every rank runs the usual algorithm. That
 post happens only on communicators that have allocated a registered buffer (`used`, the same on
-every rank since allocation is collective), so others pay nothing.
+every rank since allocation is collective), so others pay nothing; on those, a call on ordinary
+arrays above a board slot pays that one post before its usual algorithm (keep registered buffers on
+a communicator of their own, e.g. comm.dup(), where that matters).
 """
 from __future__ import annotations
 
