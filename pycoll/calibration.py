@@ -2,8 +2,10 @@
 earlier measurements, or a short probe of the links at init (PYCOLL_TUNER).
 
 Calibration (PYCOLL_TUNER=probe, the default): one pair of ranks per link class ping-pongs small and
-1 MiB messages; every rank times numpy reductions; an allgather gives all ranks the same numbers, so
-all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
+1 MiB messages (between hosts, where tcp opened several streams per pair (PYCOLL_NSOCKS=auto),
+2 MiB over one stream and cut over all of them, alternately: the flow and the link; pick_streams
+then sets how many streams large payloads use); every rank times numpy reductions; an allgather
+gives all ranks the same numbers, so all make the same choices. Results are cached per (transport, host pair) in PYCOLL_TUNER_CACHE
 (default ~/.cache/pycoll/tuner, `off` disables) for a day, keyed also by the package version and the
 cost model's code, so numbers measured by other code are never reused. PYCOLL_TUNER=model uses
 built-in constants (and PYCOLL_TOPO_FILE "links"), =static the size rules of
@@ -19,7 +21,7 @@ import os
 import tempfile
 import time
 from dataclasses import replace
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,14 +30,18 @@ from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import EnvError
 from .topology import NET, SHM, Topology, load_topo_file
-from .tuner import DEFAULT, Link, Params, Tuner, info_log
+from .transports.capabilities import Striping
+from .tuner import DEFAULT, Link, Params, Tuner, info_log, pick_streams
 from .version import __version__
 
 CACHE_TTL = 24 * 3600.0
 PROBE_BIG = 1 << 20
+PROBE_STRIPED = 2 << 20  # one stream against all of them: 4 parts of PYCOLL_TCP_STRIPE_MIN's default
 PROBE_SMALL_REPS, PROBE_BIG_REPS = 8, 3
 BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
-COLUMNS = {SHM: (0, 1), NET: (2, 3)}  # where each link class's alpha and beta sit in Params.row()
+FLOW = "flow"  # one stream between hosts, measured with the net link
+COLUMNS = {SHM: (0, 1), NET: (2, 3), FLOW: (5, 6)}  # where each link's alpha and beta sit in Params.row()
+STREAMS = 7  # the calibration table's column of streams the net pair holds (after Params.row())
 
 
 def mode() -> str:
@@ -142,15 +148,26 @@ def measure_gamma() -> float:
     return max(best / a.nbytes, 1e-12)
 
 
-def ping_pong(ch: Channel, me: int, peer: int, tag: int) -> Optional[Link]:
+def ping_pong(ch: Channel, me: int, peer: int, tag: int, big_bytes: int = PROBE_BIG) -> Optional[Link]:
     """Measure the link to `peer`: the lower rank of the pair times, the other echoes. alpha is half
-    the best 8-byte round trip, beta what a 1 MiB message adds to the best one (at most BETA_FLOOR's
-    rate: on a busy machine the difference of two minima can come out near zero)."""
-    small, big = np.zeros(1, np.float64), np.zeros(PROBE_BIG // 8, np.float64)
+    the best 8-byte round trip, beta what a `big_bytes` message adds to the best one (at most
+    BETA_FLOOR's rate: on a busy machine the difference of two minima can come out near zero)."""
+    links = ping_pong_widths(ch, me, peer, tag, big_bytes, (0,), None)
+    return None if links is None else links[0]
+
+
+def ping_pong_widths(ch: Channel, me: int, peer: int, tag: int, big_bytes: int, widths: Sequence[int],
+                     striping: Optional[Striping]) -> Optional[List[Link]]:
+    """ping_pong, with the big messages cut over each of `widths` streams in turn (0: as the
+    transport stands), set on `striping` by the lead, who sends them: a Link per width (None on the
+    echoing rank). The widths alternate, so a noisy moment on a busy machine hits them all alike."""
+    small, big = np.zeros(1, np.float64), np.zeros(big_bytes // 8, np.float64)
     lead = me < peer
-    best = {id(small): math.inf, id(big): math.inf}
-    plan = [small] * (PROBE_SMALL_REPS + 1) + [big] * (PROBE_BIG_REPS + 1)  # the first of each warms up
-    for i, payload in enumerate(plan):
+    best: Dict[Tuple[int, int], float] = {}
+    plan = [(small, 0)] * (PROBE_SMALL_REPS + 1) + [(big, w) for _ in range(PROBE_BIG_REPS + 1) for w in widths]
+    for i, (payload, width) in enumerate(plan):
+        if lead and width and striping is not None:
+            striping.use(width)
         t = time.perf_counter()
         if lead:
             ch.wait(ch.isend(payload, peer, tag + i))
@@ -158,12 +175,32 @@ def ping_pong(ch: Channel, me: int, peer: int, tag: int) -> Optional[Link]:
         else:
             ch.wait(ch.irecv(payload, peer, tag + i))
             ch.wait(ch.isend(small, peer, tag + i))
-        if i and plan[i - 1] is payload:
-            best[id(payload)] = min(best[id(payload)], time.perf_counter() - t)
+        key = (payload.nbytes, width)
+        if key in best:  # the first of each kind warms up
+            best[key] = min(best[key], time.perf_counter() - t)
+        else:
+            best[key] = math.inf
     if not lead:
         return None
-    rtt = best[id(small)]
-    return Link(rtt / 2, max((best[id(big)] - rtt) / big.nbytes, BETA_FLOOR))
+    rtt = best[(small.nbytes, 0)]
+    return [Link(rtt / 2, max((best[(big.nbytes, w)] - rtt) / big.nbytes, BETA_FLOOR)) for w in widths]
+
+
+def probe_net(ch: Channel, me: int, peer: int, tag: int, striping: Optional[Striping]
+              ) -> Tuple[Optional[Link], Optional[Link]]:
+    """(link, one flow) between two hosts, measured by the lead of the pair (None, None on the other
+    rank). With several streams to `peer`, 2 MiB over one stream and over all of them, alternately
+    (both ranks of the pair run the same steps); else one measurement serves as both."""
+    streams = striping.streams(peer) if striping is not None else 1
+    if streams <= 1:
+        link = ping_pong(ch, me, peer, tag)
+        return link, link
+    width = striping.width()  # type: ignore[union-attr]
+    try:
+        links = ping_pong_widths(ch, me, peer, tag, PROBE_STRIPED, (1, streams), striping)
+    finally:
+        striping.use(width)  # type: ignore[union-attr]
+    return (None, None) if links is None else (links[1], links[0])
 
 
 def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology, transport: str,
@@ -173,32 +210,51 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
     pairs = probe_pairs(topo)
     declared = file_links()
     keys = {cls: f"{transport}|{cls}|{topo.ranks[a].host}|{topo.ranks[b].host}" for cls, (a, b) in pairs.items()}
-    mine = np.full(5, np.nan)
+    first = make_channel(1)
+    striping = first.transport.offers(Striping)
+    mine = np.full(8, np.nan)
     mine[4] = measure_gamma()
-    for cls, (a, _) in pairs.items():
-        link = declared.get(cls) or (cache_get(keys[cls]) if rank == a else None)
-        if link is not None:
-            mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
-    table = np.empty((topo.size, 5))
-    allgather(make_channel(1), mine, table.reshape(-1), None)
+    for cls, (a, b) in pairs.items():
+        links: List[Optional[Link]] = [declared.get(cls) or (cache_get(keys[cls]) if rank == a else None)]
+        if cls == NET:
+            links.append(links[0] if cls in declared else cache_get(keys[cls] + "|" + FLOW) if rank == a else None)
+        if all(link is not None for link in links):
+            for c, link in zip((cls, FLOW), links):
+                mine[list(COLUMNS[c])] = (link.alpha, link.beta)  # type: ignore[union-attr]
+        if cls == NET and rank == a:
+            mine[STREAMS] = striping.streams(b) if striping is not None else 1
+    table = np.empty((topo.size, 8))
+    allgather(first, mine, table.reshape(-1), None)
     missing = [cls for cls in pairs if np.isnan(table[:, COLUMNS[cls][0]]).all()]
     source = "probe" if missing else ("file" if declared else "cache")
     if missing:
         ch = make_channel(2)
         for k, cls in enumerate(missing):
             a, b = pairs[cls]
-            if rank in (a, b):
-                link = ping_pong(ch, rank, b if rank == a else a, 100 * k)
-                if link is not None:
-                    cache_put(keys[cls], link)
-                    mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
+            if rank not in (a, b):
+                continue
+            peer = b if rank == a else a
+            if cls == NET:
+                link, flow = probe_net(ch, rank, peer, 100 * k, striping)
+            else:
+                link = flow = ping_pong(ch, rank, peer, 100 * k)
+            if link is not None and flow is not None:
+                cache_put(keys[cls], link)
+                mine[list(COLUMNS[cls])] = (link.alpha, link.beta)
+                if cls == NET:
+                    cache_put(keys[cls] + "|" + FLOW, flow)
+                    mine[list(COLUMNS[FLOW])] = (flow.alpha, flow.beta)
         allgather(make_channel(3), mine, table.reshape(-1), None)
     row = base.row()
-    for col in range(5):
+    if np.isnan(table[:, COLUMNS[FLOW][0]]).all():  # nothing measured between hosts: a flow is the link
+        table[:, list(COLUMNS[FLOW])] = table[:, list(COLUMNS[NET])]
+    for col in range(7):
         got = table[:, col][~np.isnan(table[:, col])]
         if got.size:
             row[col] = float(got.max())
-    return Params.from_row(row, source)
+    params = Params.from_row(row, source)
+    streams = table[:, STREAMS][~np.isnan(table[:, STREAMS])]
+    return replace(params, nsocks=pick_streams(params, int(streams.max()) if streams.size else 1))
 
 
 def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
@@ -212,7 +268,18 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
     if how == "probe" and topo.size > 1 and not config.get("PYCOLL_ALGO"):
         t = time.perf_counter()
         params = calibrate(make_channel, rank, topo, transport, params)
-        info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s", rank,
-                        (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
-                        params.net.describe())
-    return Tuner(params, board_bytes, stage_bytes)
+        info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s, one stream %s, %d stream(s) "
+                        "per payload", rank, (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
+                        params.net.describe(), params.flow_link().describe(), params.nsocks)
+    return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes)
+
+
+def settle_streams(striping: Optional[Striping], params: Params) -> Params:
+    """Set the transport's stripe width (PYCOLL_NSOCKS=auto: the calibration's pick, params.nsocks;
+    a fixed PYCOLL_NSOCKS stays) and return params with the width in use, for the model."""
+    if striping is None:
+        return params
+    if striping.automatic:  # every rank keeps the agreed pick in its model, whatever its own streams allow
+        striping.use(params.nsocks)
+        return params
+    return replace(params, nsocks=striping.width())

@@ -77,6 +77,13 @@ def one_of(*choices: str) -> Kind:
     return Kind(convert, "one of " + ", ".join(choices))
 
 
+def auto_or(kind: Kind) -> Kind:
+    """`auto` (returned as "auto"), or a value of `kind`."""
+    def convert(text: str) -> Any:
+        return "auto" if text.strip().lower() == "auto" else kind.convert(text)
+    return Kind(convert, f"auto, or {kind.accepts}")
+
+
 def _flag(text: str) -> bool:
     if text.strip() not in ("0", "1"):
         raise ValueError(text)
@@ -158,6 +165,16 @@ _VARS = [
     Var("PYCOLL_TCP_BULK_THRESHOLD", size(0, unlimited=True), "128K",
         "tcp payloads of this size and more to other ranks travel on a raw stream per pair, read "
         "straight into the posted buffer; smaller ones ride zmq (`inf`: all do)"),
+    Var("PYCOLL_NSOCKS", auto_or(integer(1, 16)), "auto",
+        "tcp bulk streams per pair of ranks, large payloads cut over them (NCCL_NSOCKS_PERTHREAD), for "
+        "networks that cap each flow below the link rate. `auto`: 4 to ranks on other hosts, 1 on this "
+        "host; the tuner's probe times one stream against 4 and cuts over as many as fill the link "
+        "once it carries 1.5 streams' worth, else over one (also without a probe); a number: that "
+        "many to every rank, all used (every rank must set the same)"),
+    Var("PYCOLL_TCP_STRIPE_MIN", size(1), "512K",
+        "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`; parts are whole "
+        "4 KiB pages but the last): smaller "
+        "payloads go whole, each on the next stream in turn"),
     Var("PYCOLL_TCP_COPY_THRESHOLD", size(0), "64K",
         "tcp payloads on zmq of this size and more are sent zero-copy; smaller ones are copied"),
     Var("PYCOLL_TCP_IO_THREADS", integer(1), "1", "zmq I/O threads per rank"),

@@ -4,8 +4,9 @@ fed by the calibration at init (pycoll.calibration); the Selector asks it for th
 Each algorithm is described by its communication pattern on the communicator's topology: a list of
 rounds, each with a count of back-to-back messages and the (src, dst, bytes) transfers it makes.
 
-    round time = messages * alpha(link) + max(NIC time, shm time * crowd) + reduced bytes * gamma * crowd
+    round time = messages * alpha(link) + max(NIC time, flow time, shm time * crowd) + reduced bytes * gamma * crowd
     NIC time   = max over hosts of max(bytes out, bytes in) across hosts * beta(net) * streams
+    flow time  = max over pairs across hosts of their bytes * beta(flow) / nsocks
     shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
     crowd      = max over hosts of (ranks busy in the round / the host's cores), at least 1
 
@@ -13,6 +14,9 @@ Copies and reductions are CPU work, so ranks that share a core do them in turn: 
 pay twice the bytes of a round where all of them move data (measured over tcp at 1 MiB: recursive
 doubling 5.8 ms, halving-doubling, which moves and reduces fewer bytes in more rounds, 3.7 ms).
 
+Networks that cap each TCP flow below the link (cloud NICs) are the flow term: beta(flow) is what
+one stream between two hosts gets, beta(net) what the link gets, and a pair's transfer is cut over
+nsocks streams (PYCOLL_NSOCKS; pick_streams chooses it from the two, calibration.py measures them).
 A round uses the net alpha when any of its transfers crosses hosts; `streams` is how many copies of
 the pattern share each NIC (the parallel inter-host phase of the hierarchical algorithms). So a ring
 in plain rank order over interleaved hosts pays for every rank's stream on the NIC, a host-ordered
@@ -56,26 +60,47 @@ class Link:
 
 @dataclass(frozen=True)
 class Params:
-    """The model's inputs: shm and net links, gamma (seconds per reduced byte), where they came from."""
+    """The model's inputs: shm and net links, gamma (seconds per reduced byte), where they came from;
+    `flow`: one TCP stream between hosts where that is slower than the link (None: as fast), and
+    `nsocks`: the streams a pair's payload is cut over."""
 
     shm: Link
     net: Link
     gamma: float
     source: str = "default"
+    flow: Optional[Link] = None
+    nsocks: int = 1
 
     def link(self, cls: str) -> Link:
         """The Link of class `cls` (shm or net)."""
         return self.shm if cls == SHM else self.net
 
+    def flow_link(self) -> Link:
+        """One stream between hosts (the net link where no slower flow was measured)."""
+        return self.flow or self.net
+
     def row(self) -> np.ndarray:
-        """alpha/beta of shm and net, then gamma: what the calibration allgathers."""
-        return np.array([self.shm.alpha, self.shm.beta, self.net.alpha, self.net.beta, self.gamma])
+        """alpha/beta of shm and net, gamma, alpha/beta of one flow: what the calibration allgathers."""
+        flow = self.flow_link()
+        return np.array([self.shm.alpha, self.shm.beta, self.net.alpha, self.net.beta, self.gamma,
+                         flow.alpha, flow.beta])
 
     @classmethod
-    def from_row(cls, row: Sequence[float], source: str) -> "Params":
+    def from_row(cls, row: Sequence[float], source: str, nsocks: int = 1) -> "Params":
         """The inverse of row()."""
-        a, b, c, d, e = (float(v) for v in row)
-        return cls(Link(a, b), Link(c, d), e, source)
+        a, b, c, d, e, f, g = (float(v) for v in row)
+        return cls(Link(a, b), Link(c, d), e, source, None if (f, g) == (c, d) else Link(f, g), nsocks)
+
+
+def pick_streams(params: Params, limit: int) -> int:
+    """How many streams (at most `limit`) a pair's payload should be cut over: as many as it takes
+    for flows of beta(flow) to fill a link of beta(net), once the link carries 1.5 flows' worth (a
+    cap worth cutting for; loopback on a busy machine measures up to ~1.4 from noise and spare
+    cores); 1 where no slower flow was measured (an uncapped NIC, no probe)."""
+    ratio = params.flow_link().beta / params.net.beta  # how many flows' worth the link carries
+    if ratio < 1.5 or limit <= 1:
+        return 1
+    return max(1, min(limit, math.ceil(ratio * 0.95)))
 
 
 # Python-level constants measured on loopback/shm here; net defaults to 10 Gbit/s or the NIC speed
@@ -231,11 +256,13 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     nic_in: Dict[int, float] = {}
     mem_out: Dict[int, float] = {}
     mem_in: Dict[int, float] = {}
+    widest = 0.0  # the largest transfer between two hosts: its own streams carry it
     for src, dst, nbytes in rnd.pairs:
         hs, hd = host_of[src], host_of[dst]
         if hs != hd:
             nic_out[hs] = nic_out.get(hs, 0.0) + nbytes
             nic_in[hd] = nic_in.get(hd, 0.0) + nbytes
+            widest = max(widest, nbytes)
         else:
             mem_out[src] = mem_out.get(src, 0.0) + nbytes
             mem_in[dst] = mem_in.get(dst, 0.0) + nbytes
@@ -245,9 +272,10 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     else:
         nic_bytes = max((nic_out.get(h, 0.0) + nic_in.get(h, 0.0) for h in set(nic_out) | set(nic_in)), default=0.0)
     nic = nic_bytes * params.net.beta
+    flow = widest * params.flow_link().beta / params.nsocks if params.flow is not None else 0.0
     mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
     crowd = crowding(rnd, host_of, cores)
-    return rnd.msgs * link.alpha + max(nic * streams, mem * crowd) + rnd.reduce * params.gamma * crowd
+    return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + rnd.reduce * params.gamma * crowd
 
 
 # A board post is a counter store that spinning peers see; a message adds a header, a ring, matching
@@ -368,12 +396,19 @@ class Tuner:
                             self.params, 1, local.cores)
         return gather + inter + bcast + nbytes * self.params.shm.beta
 
+    def _flow_note(self) -> str:
+        """' (one stream ..., cut over k)' where a flow is slower than the link or payloads are cut."""
+        p = self.params
+        if p.flow is None and p.nsocks == 1:
+            return ""
+        return f" (one stream {p.flow_link().describe()}, payloads cut over {p.nsocks})"
+
     def table(self, topo: Topology, sizes: Sequence[int], collectives: Sequence[str] = tuple(MODELED),
               choose: Optional[Callable[[str, int], str]] = None) -> str:
         """Predicted time of every modeled algorithm per size; `*` marks what `choose` (or the model) picks."""
         head = f"{'collective':<15}{'algorithm':<20}" + "".join(f"{_size(s):>10}" for s in sizes)
         lines = [f"tuner ({self.params.source}): shm {self.params.shm.describe()}, "
-                 f"net {self.params.net.describe()}, reduce {1e-9 / self.params.gamma:.3g} GB/s; "
+                 f"net {self.params.net.describe()}{self._flow_note()}, reduce {1e-9 / self.params.gamma:.3g} GB/s; "
                  f"{topo.size} ranks on {topo.nhosts} hosts", head]
         for coll in collectives:
             algos = MODELED[coll]

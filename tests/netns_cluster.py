@@ -5,6 +5,12 @@ bridge in the root namespace, each host's link rate-limited both ways with `tc .
         c.link_rate(0, 1)                                 # bytes/s of a raw TCP stream, measured
         c.run("test_mod:fn", placement=[0, 1, 0, 1])      # fn(comm) on 4 ranks, rank i in host i % 2
 
+With `flow_mbit`, each TCP flow is capped below the link as cloud NICs do (AWS: 5 Gbit/s per flow
+outside placement groups): the link is an htb class of `rate_mbit` whose children, one per hash
+bucket of the flow's addresses and ports (FLOW_BUCKETS of them, chosen by a classic-BPF classifier),
+are capped at `flow_mbit`; `link_rate(..., flows=4)` measures several flows at once. (`fq maxrate`
+would be the one-line way, but sch_fq is not built into every kernel, this one's included.)
+
 Names carry this process's pid and a counter (namespaces `pyc-<pid>-<k>-h<i>`, interfaces
 `pcb<pid36>-<k>` / `pcv<pid36>-<k>h<i>`), so parallel pytest-xdist workers never collide; the subnet
 is picked under a lock among the 10.200-249.x.0/24 not in use. Everything is removed on exit, also
@@ -33,6 +39,8 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 _COUNTER = itertools.count()
+FLOW_BUCKETS_LOG2 = 10  # flows hash into 1024 htb classes: 8 flows share one with probability ~3%
+_FLOW_BASE = 0x1000     # their class minors: 1:1000 .. 1:13ff
 _LOCK = "/tmp/pycoll-netns.lock"
 _NS_PREFIX = "pyc-"
 
@@ -114,9 +122,12 @@ class Cluster:
 
     def __init__(self, hosts: int, rate_mbit: Optional[float] = None, burst_kib: int = 256,
                  latency_ms: Optional[float] = None,
-                 sysctls: Optional[Dict[str, str]] = None) -> None:
+                 sysctls: Optional[Dict[str, str]] = None, flow_mbit: Optional[float] = None) -> None:
         if hosts < 1:
             raise ValueError(f"a cluster needs at least one host, got {hosts}")
+        if flow_mbit and not rate_mbit:
+            raise ValueError("a per-flow cap (flow_mbit) needs a link rate (rate_mbit)")
+        self.flow_mbit = flow_mbit
         from pycoll import config  # not at the top: _worker must report even a failing pycoll import
 
         self.nhosts, self.rate_mbit, self.burst_kib = hosts, rate_mbit, burst_kib
@@ -177,11 +188,30 @@ class Cluster:
                 self._shape(["ip", "netns", "exec", ns, "tc"], "eth0")    # out of the host
 
     def _shape(self, tc: List[str], dev: str) -> None:
+        if self.flow_mbit:
+            self._shape_flows(tc, dev)
+            return
         cmd = tc + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
                     "burst", f"{self.burst_kib}kb", "latency", f"{self.latency_ms:g}ms"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise ClusterError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+    def _shape_flows(self, tc: List[str], dev: str) -> None:
+        """htb: the link (1:1) at rate_mbit; other traffic (ARP, ...) in 1:2; each TCP flow, by a
+        hash of its addresses and ports, in one of the per-flow classes capped at flow_mbit."""
+        link, flow = f"{self.rate_mbit}mbit", f"{self.flow_mbit}mbit"
+        lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+                 f"class add dev {dev} parent 1: classid 1:1 htb rate {link} ceil {link} quantum 60000",
+                 f"class add dev {dev} parent 1:1 classid 1:2 htb rate {link} ceil {link} quantum 60000"]
+        # a flow's class is guaranteed next to nothing and borrows up to its cap from the link: a
+        # class's own rate is sent whatever its parent has left, so 8 flows at rate=cap would pass 8 caps
+        lines += [f"class add dev {dev} parent 1:1 classid 1:{_FLOW_BASE + b:x} htb rate 100kbit ceil {flow} "
+                  "quantum 60000" for b in range(1 << FLOW_BUCKETS_LOG2)]
+        lines.append(f"filter add dev {dev} parent 1: protocol all prio 1 bpf bytecode \"{_flow_hash_bpf()}\"")
+        proc = subprocess.run(tc + ["-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
+        if proc.returncode:
+            raise ClusterError(f"`{' '.join(tc)} -batch` (per-flow htb on {dev}) failed: {proc.stderr.strip()[-2000:]}")
 
     def close(self) -> None:
         """Kill what runs in the namespaces, delete them and the bridge (idempotent)."""
@@ -222,18 +252,19 @@ class Cluster:
         self._procs.append(proc)
         return proc
 
-    def link_rate(self, src: int, dst: int, nbytes: int = 16 << 20, timeout: float = 60.0) -> float:
-        """Bytes per second of one raw TCP stream from host `src` to host `dst`, timed at the receiver
-        from the first byte to the last."""
-        result = os.path.join(self.workdir, f"rate-{src}-{dst}.json")
+    def link_rate(self, src: int, dst: int, nbytes: int = 16 << 20, timeout: float = 60.0, flows: int = 1) -> float:
+        """Bytes per second of `flows` raw TCP streams at once (nbytes in all) from host `src` to host
+        `dst`, timed at the receiver from the first byte to the last."""
+        result = os.path.join(self.workdir, f"rate-{src}-{dst}-{secrets.token_hex(4)}.json")
         port = 20000 + secrets.randbelow(20000)
-        sink = self.popen(dst, [sys.executable, __file__, "sink", self.addresses[dst], str(port), result])
+        sink = self.popen(dst, [sys.executable, __file__, "sink", self.addresses[dst], str(port), result, str(flows)])
         deadline = time.monotonic() + timeout
         while not os.path.exists(result + ".ready"):
             if sink.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"link_rate: the receiver in host {dst} did not start")
             time.sleep(0.02)
-        source = self.popen(src, [sys.executable, __file__, "source", self.addresses[dst], str(port), str(nbytes)])
+        source = self.popen(src, [sys.executable, __file__, "source", self.addresses[dst], str(port), str(nbytes),
+                                  str(flows)])
         for p in (source, sink):
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
@@ -307,33 +338,78 @@ def _worker(target: str, args: str, out: str) -> None:
     os.replace(out + ".tmp", out)
 
 
-def _sink(addr: str, port: str, out: str) -> None:
+def _flow_hash_bpf() -> str:
+    """Classic BPF for cls_bpf (at egress, from the Ethernet header): IPv4 TCP packets go to class
+    1:(_FLOW_BASE + h), h a multiplicative hash of (ports, source ^ destination address) in
+    FLOW_BUCKETS_LOG2 bits; anything else returns 0 (no match: htb's default class)."""
+    prog = [(0x28, 0, 0, 12),                 # ldh [12]            ethertype
+            (0x15, 0, 16, 0x0800),            # jeq IPv4, else ret 0
+            (0x30, 0, 0, 23),                 # ldb [23]            protocol
+            (0x15, 0, 14, 6),                 # jeq TCP, else ret 0
+            (0xb1, 0, 0, 14),                 # ldxb 4*([14]&0xf)   IP header length
+            (0x40, 0, 0, 14),                 # ld [x+14]           source port << 16 | destination port
+            (0x02, 0, 0, 0),                  # st M[0]
+            (0x20, 0, 0, 26),                 # ld [26]             source address
+            (0x07, 0, 0, 0),                  # tax
+            (0x20, 0, 0, 30),                 # ld [30]             destination address
+            (0xac, 0, 0, 0),                  # xor x
+            (0x07, 0, 0, 0),                  # tax
+            (0x60, 0, 0, 0),                  # ld M[0]
+            (0xac, 0, 0, 0),                  # xor x
+            (0x24, 0, 0, 2654435761),         # mul #golden ratio (Knuth)
+            (0x74, 0, 0, 32 - FLOW_BUCKETS_LOG2),  # rsh: the top bits
+            (0x04, 0, 0, 0x10000 | _FLOW_BASE),    # add: classid 1:(base + h)
+            (0x16, 0, 0, 0),                  # ret a
+            (0x06, 0, 0, 0)]                  # ret #0
+    return f"{len(prog)}," + ",".join(f"{c} {t} {f} {k}" for c, t, f, k in prog)
+
+
+def _sink(addr: str, port: str, out: str, flows: str = "1") -> None:
+    import selectors
     import socket
     srv = socket.create_server((addr, int(port)))
     open(out + ".ready", "w").close()
-    conn, _ = srv.accept()
+    sel = selectors.DefaultSelector()
+    for _ in range(int(flows)):
+        conn, _ = srv.accept()
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ)
     buf = bytearray(1 << 20)
-    total, first, last = 0, None, 0.0
-    while True:
-        k = conn.recv_into(buf)
-        if not k:
-            break
-        now = time.perf_counter()
-        if first is None:
-            first, k = now, 0  # time from the first chunk's arrival: count what comes after it
-        total, last = total + k, now
+    total, first, last, open_ = 0, None, 0.0, int(flows)
+    while open_:
+        for key, _ in sel.select():
+            try:
+                k = key.fileobj.recv_into(buf)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            if not k:
+                sel.unregister(key.fileobj)
+                open_ -= 1
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first, k = now, 0  # time from the first chunk's arrival: count what comes after it
+            total, last = total + k, now
     with open(out, "w") as fh:
         json.dump({"bytes": total, "seconds": max(last - (first or last), 1e-9)}, fh)
 
 
-def _source(addr: str, port: str, nbytes: str) -> None:
+def _source(addr: str, port: str, nbytes: str, flows: str = "1") -> None:
     import socket
+    import threading
     data = bytes(1 << 20)
-    with socket.create_connection((addr, int(port))) as s:
-        left = int(nbytes)
-        while left > 0:
-            s.sendall(data[:min(left, len(data))])
-            left -= len(data)
+    socks = [socket.create_connection((addr, int(port))) for _ in range(int(flows))]
+
+    def pour(s: socket.socket, left: int) -> None:
+        with s:
+            while left > 0:
+                s.sendall(data[:min(left, len(data))])
+                left -= len(data)
+    threads = [threading.Thread(target=pour, args=(s, int(nbytes) // len(socks))) for s in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
@@ -341,9 +417,9 @@ if __name__ == "__main__":
     if cmd == "worker":
         _worker(*sys.argv[2:5])
     elif cmd == "sink":
-        _sink(*sys.argv[2:5])
+        _sink(*sys.argv[2:6])
     elif cmd == "source":
-        _source(*sys.argv[2:5])
+        _source(*sys.argv[2:6])
     elif cmd == "sweep":
         print("\n".join(sweep_stale()) or "nothing to remove")
     else:

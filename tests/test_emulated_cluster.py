@@ -155,6 +155,86 @@ def test_tuned_allreduce_runs_at_the_link_rate(hosts, rate_mbit, sizes, tmp_path
     _check(res)
 
 
+# -- several streams per pair under a per-flow cap (PYCOLL_NSOCKS) -----------------------------------
+def tuned_allreduce(comm: Any, nbytes: int, iters: int) -> Dict[str, Any]:
+    """The tuner's allreduce of `nbytes`: median over `iters` of the slowest rank's time (after a
+    warm-up), the algorithm, the streams payloads were cut over and the calibrated links."""
+    times, ok = [], True
+    for it in range(iters + 1):
+        x = np.full(nbytes // 4, comm.rank + 1, np.float32)
+        comm.barrier()
+        t = time.perf_counter()
+        comm.allreduce(x)
+        took = np.array([time.perf_counter() - t])
+        comm.allreduce(took, op="max", algo="recursive_doubling")
+        ok = ok and bool((x == comm.size * (comm.size + 1) / 2).all())
+        if it:
+            times.append(float(took[0]))
+    p = comm.selector.tuner.params
+    return {"measured": statistics.median(times), "ok": ok, "nsocks": p.nsocks,
+            "algo": comm.selector.choose("allreduce", nbytes, comm.size, topo=comm.topology),
+            "predicted": comm.selector.tuner.predict("allreduce", comm.selector.choose(
+                "allreduce", nbytes, comm.size, topo=comm.topology), nbytes, comm.topology),
+            "net_Bps": 1 / p.net.beta, "flow_Bps": 1 / p.flow_link().beta}
+
+
+def measure_streams(nbytes: int, iters: int, tmp_path: Any, rate_mbit: float = 400, flow_mbit: float = 100,
+                    settings: Sequence[str] = ("1", "auto")) -> Dict[str, Any]:
+    """2 hosts x 2 ranks, each flow capped at flow_mbit on a link of rate_mbit: one flow's rate and
+    4 and 8 flows' (the link, B) measured, then the tuned allreduce under each PYCOLL_NSOCKS setting."""
+    hosts = 2
+    with Cluster(hosts=hosts, rate_mbit=rate_mbit, flow_mbit=flow_mbit, sysctls=SYSCTLS) as cluster:
+        one = min(cluster.link_rate(0, 1), cluster.link_rate(1, 0))
+        four = min(cluster.link_rate(0, 1, flows=4), cluster.link_rate(1, 0, flows=4))
+        eight = min(cluster.link_rate(0, 1, flows=8), cluster.link_rate(1, 0, flows=8))
+        runs = {}
+        for nsocks in settings:
+            runs[nsocks] = cluster.run("test_emulated_cluster:tuned_allreduce", interleaved(hosts, 2),
+                                       [nbytes, iters], env={**_env(tmp_path / nsocks), "PYCOLL_NSOCKS": nsocks},
+                                       timeout=300)[0]
+    assert not cluster.exists()
+    link = max(four, eight)
+    return {"hosts": hosts, "bytes": nbytes, "rate_mbit": rate_mbit, "flow_mbit": flow_mbit, "one_Bps": one,
+            "four_Bps": four, "eight_Bps": eight, "link_Bps": link,
+            "bound": 2 * (hosts - 1) / hosts * nbytes / link, "runs": runs}
+
+
+def report_streams(res: Dict[str, Any]) -> str:
+    """A markdown table: per PYCOLL_NSOCKS setting, the streams used, the time and its ratio to the bound."""
+    mbit = lambda bps: f"{bps * 8 / 1e6:.0f}"  # noqa: E731
+    lines = [f"H={res['hosts']} hosts x 2 ranks (interleaved), {res['bytes'] // MIB} MiB allreduce; htb link "
+             f"{res['rate_mbit']:g} Mbit/s, each flow capped at {res['flow_mbit']:g}; measured: 1 flow "
+             f"{mbit(res['one_Bps'])}, 4 flows {mbit(res['four_Bps'])}, 8 flows {mbit(res['eight_Bps'])} Mbit/s "
+             f"(link B = {mbit(res['link_Bps'])}); bound 2(H-1)/H*S/B = {res['bound'] * 1e3:.0f} ms", "",
+             "| PYCOLL_NSOCKS | streams per pair used | algorithm | tuner: link / one stream (Mbit/s) | "
+             "predicted (ms) | measured (ms) | measured/bound |", "|---|---|---|---|---|---|---|"]
+    for setting, r in res["runs"].items():
+        lines.append(f"| {setting} | {r['nsocks']} | {r['algo']} | {mbit(r['net_Bps'])} / {mbit(r['flow_Bps'])} | "
+                     f"{r['predicted'] * 1e3:.0f} | {r['measured'] * 1e3:.0f} | {r['measured'] / res['bound']:.2f} |")
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_streams_reach_the_link_under_a_per_flow_cap(tmp_path):
+    """Each flow capped at 1/4 of the link: one stream per pair leaves the link half idle (2 pairs
+    cross it); PYCOLL_NSOCKS=auto probes, picks 4 streams and runs within 1.3x of the link bound."""
+    res = measure_streams(16 * MIB, 3, tmp_path)
+    text = report_streams(res)
+    print("\n" + text)
+    out = config.get("PYCOLL_CLUSTER_REPORT")
+    if out:
+        with open(out, "a") as fh:
+            fh.write(text + "\n\n" + json.dumps(res) + "\n\n")
+    assert res["one_Bps"] < 0.4 * res["link_Bps"], "the per-flow cap did not hold"
+    assert res["four_Bps"] > 0.75 * res["link_Bps"], "4 flows did not fill the link"
+    one, auto = res["runs"]["1"], res["runs"]["auto"]
+    assert one["ok"] and auto["ok"]
+    assert one["nsocks"] == 1 and auto["nsocks"] == 4
+    assert auto["measured"] <= 1.3 * res["bound"], auto
+    assert one["measured"] > 1.5 * auto["measured"], (one, auto)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """`python tests/test_emulated_cluster.py H RATE_MBIT SIZE_MIB...`: print the table of one run."""
     import argparse

@@ -60,15 +60,17 @@ def _step(comm, x):
 def _revoke_while_blocked(comm):
     import pycoll
     x = np.ones(8, np.float32)
+    comm.barrier()  # every rank is up (a slow start must not count as revocation latency)
     if comm.rank == 0:  # the others block in an allreduce rank 0 never joins
         time.sleep(0.5)
         when = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes of one host
         comm.revoke()
         comm.revoke()  # idempotent
     else:
+        entered = time.monotonic()
         with pytest.raises(pycoll.RevokedError) as info:
             comm.allreduce(x)
-        when = time.monotonic()
+        when = (time.monotonic(), entered)
         assert not isinstance(info.value, pycoll.PeerError)
         assert "revoked by rank 0" in str(info.value), info.value
     with pytest.raises(pycoll.RevokedError):  # later calls too, until the agreement
@@ -83,9 +85,13 @@ def _revoke_while_blocked(comm):
 def test_revoke_reaches_every_member_within_1s_then_agree_restores(transport):
     results = run_ranks(_revoke_while_blocked, 4, env=_env(transport))
     n = len(results)
+    revoked_at = results[0][0]
     for rank, (when, ok, dead, total) in enumerate(results):
         assert ok is False and dead == [] and total == n * (n + 1) / 2
-        took = when - results[0][0]
+        if not rank:
+            continue
+        raised_at, entered = when
+        took = raised_at - max(revoked_at, entered)  # a rank late into the call raises at its start
         if rank:
             print(f"{transport}: rank {rank} raised RevokedError {took:.3f} s after the revoke")
             assert took < 1.0
@@ -394,7 +400,10 @@ def test_pycoll_run_elastic_survives_a_killed_rank(tmp_path, elastic):
         assert proc.stdout.count("done on 3 ranks, sum 3") == 3, proc.stdout
         assert "killed by signal SIGKILL; the others go on (--elastic)" in proc.stderr
     else:
-        assert proc.returncode != 0 and "done on" not in proc.stdout
+        # the job ends with the killed rank's code (survivors that recover on their own while the
+        # launcher collects flight-recorder dumps may print before they are stopped)
+        assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
+        assert "the others go on" not in proc.stderr
 
 
 def _trainer(tmp_path, kill_rank=None, after="step 30/"):

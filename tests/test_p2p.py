@@ -70,8 +70,8 @@ def test_64_mib_message():
 def _stream_buffers(comm):
     import socket
     bulk = comm.transport._bulk
-    return {peer: (peer in bulk.local, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
-            for peer, sock in bulk.socks.items()}
+    return {peer: (peer in bulk.local, socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+            for peer, socks in bulk.socks.items()}
 
 
 def test_same_host_bulk_streams_get_a_send_buffer_no_bigger_than_the_window():

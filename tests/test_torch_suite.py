@@ -21,16 +21,16 @@ RUNNER = os.path.join(HERE, "torch_suite", "runner.py")
 # Breadth over the collectives, p2p, DDP (hooks, no_sync, join), object collectives and groups.
 CI_TESTS = [
     "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_min", "test_all_reduce_product",
-    "test_all_reduce_sum_async", "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max",
-    "test_all_reduce_full_group_sum", "test_broadcast", "test_broadcast_full_group",
-    "test_reduce_sum", "test_reduce_max", "test_all_gather", "test_all_gather_coalesced_simple",
-    "test_all_gather_coalesced_complex", "test_all_gather_v_cuda_full_group" if False else "test_all_gather_full_group",
+    "test_all_reduce_sum_async", "test_all_reduce_sum_complex", "test_all_reduce_coalesced_sum",
+    "test_all_reduce_coalesced_max", "test_all_reduce_full_group_sum", "test_broadcast",
+    "test_broadcast_full_group", "test_reduce_sum", "test_reduce_max", "test_all_gather",
+    "test_all_gather_coalesced_simple", "test_all_gather_coalesced_complex", "test_all_gather_full_group",
     "test_all_to_all_single_equal_split", "test_all_to_all_single_unequal_split", "test_all_to_all",
-    "test_gather", "test_scatter", "test_barrier", "test_send_recv", "test_send_recv_any_source",
-    "test_isend", "test_irecv", "test_batch_isend_irecv_gloo", "test_all_gather_object_default_pg",
-    "test_broadcast_object_list", "test_scatter_object_list", "test_get_future",
-    "test_accumulate_gradients_no_sync_allreduce_hook", "test_ddp_comm_hook_logging",
-    "test_DistributedDataParallelCPU", "test_ddp_join_model_equivalence",
+    "test_gather", "test_gather_checks", "test_scatter", "test_scatter_checks", "test_barrier",
+    "test_barrier_timeout_full_group", "test_isend", "test_irecv", "test_batch_isend_irecv_gloo",
+    "test_batch_isend_irecv_gloo_tags", "test_all_gather_object_default_pg", "test_get_future",
+    "test_get_rank_size_group", "test_destroy_group", "test_accumulate_gradients_no_sync_allreduce_hook",
+    "test_grads_same_across_ranks_with_no_sync", "test_DistributedDataParallelCPU",
 ]
 
 # Tests that pass on gloo here but not on pycoll, with the reason (filled from measured runs).

@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from pycoll import calibration, tuner
 from pycoll.selection import NAMED_ONLY, Selector, default_order, parse_algo
 from pycoll.errors import EnvError
 from pycoll.topology import Topology
-from pycoll.tuner import DEFAULT, MODELED, Link, Params, Tuner
+from pycoll.tuner import DEFAULT, MODELED, Link, Params, Tuner, pick_streams
 
 MIB = 1 << 20
 S = 64 * MIB
@@ -209,7 +210,10 @@ def _calibrated(rank, layout):
         p = comm.selector.tuner.params
         x = np.full(1 << 20, rank, np.float32)
         comm.allreduce(x)
-        return p.source, p.row().tolist(), took, bool((x == sum(range(comm.size))).all())
+        from pycoll.transports.capabilities import Striping
+        striping = comm.transport.offers(Striping)
+        return p.source, p.row().tolist(), took, bool((x == sum(range(comm.size))).all()), \
+            (p.nsocks, striping.streams((rank + 1) % comm.size), striping.width())
 
 
 @pytest.mark.timeout(120)
@@ -223,7 +227,30 @@ def test_probe_agrees_everywhere_then_comes_from_the_cache(tmp_path):
     assert all(r[3] for r in first)
     second = run_ranks(_calibrated, 4, layout, init=False, env=env)
     assert {r[0] for r in second} == {"cache"} and second[0][1][:4] == row[:4]
-    assert len(list(tmp_path.iterdir())) == 2  # one entry per link class
+    assert len(list(tmp_path.iterdir())) == 3  # one entry per link class, and one stream between hosts
+    # PYCOLL_NSOCKS=auto opened 4 streams to the other (fake) host; every rank cuts over what the
+    # tuner picked from the probe (over loopback: one, unless the busy machine's noise says more)
+    assert len({r[4] for r in first}) == 1 and {r[4] for r in second} == {first[0][4]}
+    nsocks, streams, width = first[0][4]
+    assert streams == 4 and width == nsocks == pick_streams(Params.from_row(row, "probe"), 4)
+
+
+def test_streams_picked_to_fill_the_link_with_capped_flows():
+    def params(link_mbit, flow_mbit):
+        return Params(shm=DEFAULT.shm, net=Link(1e-4, 8e-6 / link_mbit), gamma=DEFAULT.gamma,
+                      flow=Link(1e-4, 8e-6 / flow_mbit))
+    assert pick_streams(params(400, 100), 4) == 4    # the emulated cloud NIC: 4 flows fill it
+    assert pick_streams(params(400, 100), 2) == 2    # no more than the pair has
+    assert pick_streams(params(250, 100), 4) == 3
+    assert pick_streams(params(130, 100), 4) == 1    # loopback noise, or a cap not worth cutting for
+    assert pick_streams(Params(DEFAULT.shm, DEFAULT.net, DEFAULT.gamma), 4) == 1  # nothing measured
+    # the model: a 16 MiB allreduce, 2 hosts x 2 ranks, is bound by one flow per pair until cut over 4
+    topo = interleaved(2, 2)
+    slow = Tuner(params(400, 100)).predict("allreduce", "hierarchical", 16 * MIB, topo)
+    fast = Tuner(replace(params(400, 100), nsocks=4)).predict("allreduce", "hierarchical", 16 * MIB, topo)
+    link = Tuner(Params(DEFAULT.shm, params(400, 100).net, DEFAULT.gamma)).predict(
+        "allreduce", "hierarchical", 16 * MIB, topo)
+    assert slow > 1.8 * fast and fast == pytest.approx(link)
 
 
 def _tuner_kind(comm):

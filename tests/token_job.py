@@ -47,13 +47,13 @@ wire.make_hello = recording_make_hello
 _establish = bulk.BulkLinks.establish
 
 
-def held_establish(self, endpoints, token, deadline):
+def held_establish(self, endpoints, token, deadline, streams=None):
     if self.rank == 0:  # the stranger gets the listener to itself first
         write("bulk.json", {"endpoint": self.endpoint})
     if self.rank == 1:  # what a sniffer has seen by now: rank 1's zmq hello to rank 0
         write("capture1.json", {"hellos": list(captured)})
     wait_for("bulk.go")
-    return _establish(self, endpoints, token, deadline + 60)
+    return _establish(self, endpoints, token, deadline + 60, streams)
 
 
 bulk.BulkLinks.establish = held_establish

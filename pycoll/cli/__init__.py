@@ -1,4 +1,4 @@
-"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`, `pycoll env`, `pycoll trace`."""
+"""The `pycoll` command: `pycoll run`, `pycoll bench`, `pycoll info`, `pycoll env`, `pycoll trace`, `pycoll predict`."""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +11,7 @@ _COMMANDS = {
     "info": ("pycoll.cli.info", "topology (like nvidia-smi topo -m) and the tuner's table"),
     "env": ("pycoll.cli.env", "every PYCOLL_* variable's value here, or the README's tables of them"),
     "trace": ("pycoll.cli.trace", "read a job's flight-recorder dumps: which rank and call hung or failed"),
+    "predict": ("pycoll.cli.predict", "a training step's time on H hosts from a recorded workload, and why"),
 }
 
 

@@ -70,6 +70,16 @@ class C10dStore(Store):
         return bool(self._store.delete_key(key))
 
 
+def _as_torch_error(e: BaseException) -> BaseException:
+    """pycoll's timeout as torch users and tools look for it (gloo: "Timed out waiting ..."): the
+    same class and peers, the message prefixed, pycoll's own error kept as the cause."""
+    if isinstance(e, TimeoutError) and not str(e).startswith("[pycoll] Timed out"):
+        wrapped = TimeoutError(f"[pycoll] Timed out: {e}", e.peers)
+        wrapped.__cause__ = e
+        return wrapped
+    return e
+
+
 class PycollWork(dist.Work):
     """A torch Work over one or more pycoll Works (queued in order on one communicator): done when
     the last is, then `post` (copies into torch's output tensors) runs; errors re-raise in wait()
@@ -96,6 +106,7 @@ class PycollWork(dist.Work):
             if self._post is not None:
                 self._post()
         except BaseException as e:  # torch's future first: wait() returning means get_future() is done
+            e = _as_torch_error(e)
             self._src.set_exception(e)
             self._done.set_exception(e)
             return

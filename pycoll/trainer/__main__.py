@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import List, Optional, Tuple
@@ -18,6 +19,7 @@ from .optim import OPTIMIZERS
 from .report import Console, summary_lines
 from .schema import TrainConfig
 from .timeline import chrome_timeline, draw_timeline
+from .workload import prediction_line, record
 
 
 def parse_straggler(text: str) -> Tuple[int, float]:
@@ -76,25 +78,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="OUT.png",
                    help="draw each rank's last steps (compute / comm / wait), and write all steps beside it as "
                         "OUT.trace.json, a Chrome trace for https://ui.perfetto.dev or chrome://tracing")
+    p.add_argument("--report-json", metavar="FILE",
+                   help="write the run as a workload record for `pycoll predict` (buckets, when backward "
+                        "produced them, compute per local batch, the measured step under step_ms, the tuner's "
+                        "parameters) with the model's prediction of this run beside what was measured")
     return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed options."""
+    return TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
+                       hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
+                       dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
+                       blas_threads=args.blas_threads, elastic=args.elastic)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the trainer on the ranks pycoll.init() finds; rank 0 prints and draws."""
     args = build_parser().parse_args(argv)
-    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-                      hidden=args.hidden, bucket_kb=args.bucket_kb, seed=args.seed, log_every=args.log_every,
-                      dtype=args.dtype, straggler=args.straggler, baseline_sps=args.baseline_sps,
-                      blas_threads=args.blas_threads, elastic=args.elastic)
+    cfg = config_from_args(args)
     with pycoll.init() as comm:
         try:
             result = train(comm, cfg, Console(comm.rank == 0))
         except ConfigError as e:
             print(f"pycoll.trainer: {e}", file=sys.stderr)
             return 2
+        rec = record(result.comm, cfg, result) if args.report_json else None
         if result.comm.rank == 0:
             for line in summary_lines(result, cfg):
                 print(line)
+            if rec is not None:
+                with open(args.report_json, "w") as fh:
+                    json.dump(rec, fh, indent=1)
+                print(prediction_line(rec))
+                print(f"workload record written to {args.report_json} (pycoll predict --workload {args.report_json})")
             if args.timeline:
                 straggler = f", rank {cfg.straggler[0]} +{cfg.straggler[1]:g} ms/step" if cfg.straggler else ""
                 draw_timeline(result.records, args.timeline, f"pycoll.trainer: {comm.size} rank(s), "

@@ -77,17 +77,22 @@ class GradBuckets:
             self.views.append(self.flat[start:offset])
         self._missing: List[int] = []
         self._inflight: List[_Timed] = []
+        self._ready_at: List[float] = []  # when each bucket's last gradient was written (this step)
 
     def begin(self) -> None:
         """Start a step: every bucket waits for all of its gradients again."""
         self._missing = [len(b) for b in self.plan]
         self._inflight = []
+        self._ready_at = [float("nan")] * len(self.plan)
 
     def ready(self, i: int) -> None:
         """Gradient `i` has been written; launch its bucket if that was the bucket's last one."""
         k = self._bucket_of[i]
         self._missing[k] -= 1
-        if self._missing[k] or self.comm is None:
+        if self._missing[k]:
+            return
+        self._ready_at[k] = time.perf_counter()
+        if self.comm is None:
             return
         if k == 0:
             self._inflight.append(_Timed(self.comm.barrier(async_op=True)))
@@ -105,8 +110,11 @@ class GradBuckets:
 
     def wait(self) -> np.ndarray:
         """Block until every bucket is averaged; return [probe launch, probe done, then per bucket
-        launch, done] in perf_counter seconds (NaN without a communicator)."""
+        launch, done] in perf_counter seconds (without a communicator: each bucket's launch is when it
+        became ready, the rest NaN, so a 1-rank run still records when backward produced each bucket)."""
         times = np.full(2 * (len(self.plan) + 1), np.nan)
+        if self.comm is None:
+            times[2::2] = self._ready_at
         for j, t in enumerate(self._inflight):
             t.wait()
             times[2 * j:2 * j + 2] = t.launched, t.done

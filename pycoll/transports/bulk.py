@@ -2,10 +2,14 @@
 
 zmq hands every received message over in a freshly allocated frame, so a large message costs a
 page-faulting allocation plus a copy into the user's buffer. Here each pair of ranks shares one
-authenticated, nonblocking TCP stream (as Gloo's pairs do): payloads are written from the
-user's buffer and read with recv_into into the user's buffer (or a reused scratch buffer), with
-only the kernel's copy each way. The stream carries payload bytes only; what they belong to is
-announced, in order, on the zmq channel, so matching stays in one place (tcp.py).
+or more authenticated, nonblocking TCP streams (one, as Gloo's pairs; several, as NCCL's
+NCCL_NSOCKS_PERTHREAD, where the network caps each flow below the link): payloads are written from
+the user's buffer and read with recv_into into the user's buffer (or a reused scratch buffer), with
+only the kernel's copy each way. The streams carry payload bytes only; what they belong to is
+announced, in order, on the zmq channel, so matching stays in one place (tcp.py). A payload goes
+in parts, each on one stream (its Layout, which the announcement carries): a part starts at a
+known offset of the payload, so the receiver reads it straight to its place, and each stream
+stays FIFO: the parts on it come in the order of the announcements.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from ..errors import PeerError, TimeoutError
 from ..logutil import RateLimitedLog
@@ -28,6 +32,7 @@ log = logging.getLogger("pycoll.tcp")
 _CHUNK = 1 << 22  # bytes per send/recv call: keeps one peer from starving the others
 STREAM_CHUNK = 1 << 19  # a consumed payload is handed over in pieces this big, while still in cache
 _ALIGN = 16  # pieces start at multiples of every dtype's itemsize
+_PART_ALIGN = 1 << 12  # parts of a striped payload start at multiples of this (so of _ALIGN)
 
 
 def same_host(sock: socket.socket) -> bool:
@@ -36,13 +41,51 @@ def same_host(sock: socket.socket) -> bool:
     return local == peer or ipaddress.ip_address(peer).is_loopback
 
 
-class Outgoing:
-    """A payload queued on a stream; `on_done(error)` runs once the kernel has all of it."""
+class Layout(NamedTuple):
+    """How a payload is cut: `parts` parts, part i on stream (first + i) % width of the pair."""
 
-    __slots__ = ("view", "sent", "on_done")
+    parts: int
+    first: int
+    width: int
+
+    def streams(self) -> List[int]:
+        return [(self.first + i) % self.width for i in range(self.parts)]
+
+
+ONE_STREAM = Layout(1, 0, 1)
+
+
+def split(nbytes: int, parts: int) -> List[Tuple[int, int]]:
+    """(offset, length) of the parts of a payload cut in `parts`: equal, rounded up to _PART_ALIGN
+    bytes, the last one taking the rest; a small payload gets fewer parts (never an empty one,
+    except the one part of an empty payload). Both ends compute the same."""
+    if parts <= 1 or nbytes <= _PART_ALIGN:
+        return [(0, nbytes)]
+    step = -(-(-(-nbytes // parts)) // _PART_ALIGN) * _PART_ALIGN
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
+class Outgoing:
+    """A payload queued on a pair's streams; `on_done(error)` runs once the kernel has all of it, or
+    at the first error."""
+
+    __slots__ = ("view", "on_done", "left")
 
     def __init__(self, view: memoryview, on_done: Callable[[Optional[BaseException]], None]) -> None:
-        self.view, self.sent, self.on_done = view, 0, on_done
+        self.view, self.on_done = view, on_done
+        self.left = 0  # parts not yet written; -1 once finished
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        if self.left >= 0:
+            self.left = -1
+            self.on_done(error)
+
+
+class _OutPart:
+    __slots__ = ("payload", "view", "sent")
+
+    def __init__(self, payload: Outgoing, view: memoryview) -> None:
+        self.payload, self.view, self.sent = payload, view, 0
 
 
 Consume = Callable[[memoryview, int], None]  # (piece, byte offset of the piece in the payload)
@@ -50,92 +93,122 @@ Consume = Callable[[memoryview, int], None]  # (piece, byte offset of the piece 
 
 class Incoming:
     """An announced payload of `nbytes`: it lands in `target`, or, with `consume`, passes through a
-    small per-stream buffer piece by piece; `on_done(error)` runs once all of it is in. Until one
-    of the two is set (the payload is claimed) the stream is not read past it."""
+    small per-stream buffer piece by piece (parts on different streams interleave: pieces come in
+    no particular order, each once); `on_done(error)` runs once all of it is in, or at the first
+    error. Until one of the two is set (the payload is claimed) its streams are not read past it."""
 
-    __slots__ = ("nbytes", "target", "consume", "got", "fill", "on_done", "since", "owner")
+    __slots__ = ("nbytes", "target", "consume", "on_done", "since", "owner", "left")
 
     def __init__(self, nbytes: int, on_done: Callable[[Optional[BaseException]], None]) -> None:
         self.nbytes, self.on_done = nbytes, on_done
         self.target: Optional[memoryview] = None
         self.consume: Optional[Consume] = None
-        self.got = 0   # bytes placed in target, or handed to consume
-        self.fill = 0  # bytes waiting in the stream buffer (consume only)
         self.since = time.monotonic()  # announced at
         self.owner: Any = None  # the transport's bookkeeping
+        self.left = 0  # parts not yet in; -1 once finished
 
     @property
     def claimed(self) -> bool:
         return self.target is not None or self.consume is not None
 
+    def _finish(self, error: Optional[BaseException]) -> None:
+        if self.left >= 0:
+            self.left = -1
+            self.on_done(error)
+
+
+class _InPart:
+    __slots__ = ("payload", "offset", "nbytes", "got", "fill")
+
+    def __init__(self, payload: Incoming, offset: int, nbytes: int) -> None:
+        self.payload, self.offset, self.nbytes = payload, offset, nbytes
+        self.got = 0   # bytes placed in the target, or handed to consume
+        self.fill = 0  # bytes waiting in the stream buffer (consume only)
+
 
 class BulkLinks:
-    """One raw stream per peer: connect/authenticate, then nonblocking writes and reads in FIFO order."""
+    """Raw streams per peer: connect/authenticate, then nonblocking writes and reads, FIFO per stream."""
 
     def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0, local_sndbuf: int = 0,
-                 on_broken: Callable[[int, str], None] = lambda peer, why: None) -> None:
+                 on_broken: Callable[[int, str], None] = lambda peer, why: None, stripe_min: int = 1 << 19) -> None:
         """`buffer_bytes`: SO_SNDBUF and SO_RCVBUF of every stream (0: autotuning); `local_sndbuf`:
         SO_SNDBUF of the streams to ranks on this host, when `buffer_bytes` is 0 (0: autotuning);
-        `on_broken(peer, why)` runs when a peer's stream breaks (nothing new may use it)."""
+        `on_broken(peer, why)` runs when a peer's stream breaks (nothing new may use it);
+        `stripe_min`: the smallest part a payload is cut into over several streams."""
         self.rank, self.size, self._buffer_bytes, self._local_sndbuf = rank, size, buffer_bytes, local_sndbuf
         self._on_broken = on_broken
+        self._stripe_min = max(1, stripe_min)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((address, 0))
         self._listener.listen(max(8, size))
         self.endpoint = f"{address}:{self._listener.getsockname()[1]}"
-        self.socks: Dict[int, socket.socket] = {}
-        self._out: Dict[int, Deque[Outgoing]] = {}
-        self._in: Dict[int, Deque[Incoming]] = {}
+        self.socks: Dict[int, List[socket.socket]] = {}  # peer -> its streams, by index
+        self.stripes: Dict[int, int] = {}  # peer -> streams its payloads are cut over now (<= len(socks[peer]))
+        self._next: Dict[int, int] = {}    # peer -> the stream the next payload starts on
+        self._out: Dict[int, List[Deque[_OutPart]]] = {}
+        self._in: Dict[int, List[Deque[_InPart]]] = {}
         self._out_locks: Dict[int, threading.RLock] = {}
-        self._pieces: Dict[int, memoryview] = {}  # per stream: where consumed payloads pass through
-        self.closed_by: Dict[int, str] = {}  # peers whose stream ended -> why
+        self._pieces: Dict[Tuple[int, int], memoryview] = {}  # per stream: where consumed payloads pass through
+        self.closed_by: Dict[int, str] = {}  # peers whose streams ended -> why
         self.local: List[int] = []  # peers on this host, whose streams got `local_sndbuf`
         self.rejected = 0
-        self._seen: set = set()  # nonces of hellos accepted: a captured hello replayed is turned away
+        self._seen: Set[bytes] = set()  # nonces of hellos accepted: a captured hello replayed is turned away
         self.rejects = RateLimitedLog(log, f"rank {rank}: tcp bulk streams: rejected connections")
 
     # -- set-up --------------------------------------------------------------------------------
-    def establish(self, endpoints: Dict[int, str], token: bytes, deadline: float) -> None:
-        """Connect to every lower rank, accept every higher one; each side proves the job token."""
+    def establish(self, endpoints: Dict[int, str], token: bytes, deadline: float,
+                  streams: Optional[Dict[int, int]] = None) -> None:
+        """Open `streams[peer]` streams (default 1) to every peer in `endpoints`: connect to every
+        lower rank, accept every higher one; each stream's hello proves the job token for its index."""
+        counts = {p: max(1, min(wire.MAX_STREAMS, (streams or {}).get(p, 1))) for p in endpoints}
         for peer in sorted(p for p in endpoints if p < self.rank):
             host, port = endpoints[peer].rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
-            self._send_hello(sock, token, peer)
-            self._expect_hello(sock, token, peer, deadline)
-            self._adopt(peer, sock)
-        waiting = {p for p in endpoints if p > self.rank}
+            for index in range(counts[peer]):
+                sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+                self._send_hello(sock, token, peer, index)
+                src, got = self._expect_hello(sock, token, deadline)
+                if (src, got) != (peer, index):
+                    raise PeerError(f"rank {self.rank}: bulk stream {index} to rank {peer} answered as stream "
+                                    f"{got} of rank {src}", peer)
+                self._adopt(peer, index, sock)
+        waiting = {(p, i) for p in endpoints if p > self.rank for i in range(counts[p])}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"rank {self.rank}: tcp bulk streams from ranks {sorted(waiting)} did "
-                                   "not connect in time", peers=sorted(waiting))
+                raise TimeoutError(f"rank {self.rank}: tcp bulk streams from ranks "
+                                   f"{sorted({p for p, _ in waiting})} did not connect in time",
+                                   peers=sorted({p for p, _ in waiting}))
             self._listener.settimeout(min(left, 1.0))
             try:
                 sock, _ = self._listener.accept()
             except socket.timeout:
                 continue
             try:
-                peer = self._expect_hello(sock, token, None, min(deadline, time.monotonic() + 5.0))
+                peer, index = self._expect_hello(sock, token, min(deadline, time.monotonic() + 5.0))
             except (ValueError, OSError, TimeoutError) as e:
                 self.rejected += 1  # a stranger or garbage on the listening port
                 self.rejects.warning("rank %d: tcp bulk stream: rejected a connection: %s", self.rank, e)
                 sock.close()
                 continue
-            if peer not in waiting:
+            if (peer, index) not in waiting:
                 self.rejected += 1
-                self.rejects.warning("rank %d: tcp bulk stream: rejected a second hello from rank %d",
-                                     self.rank, peer)
+                self.rejects.warning("rank %d: tcp bulk stream: rejected a second or unwanted hello from rank "
+                                     "%d (stream %d)", self.rank, peer, index)
                 sock.close()
                 continue
-            self._send_hello(sock, token, peer)
-            waiting.discard(peer)
-            self._adopt(peer, sock)
+            self._send_hello(sock, token, peer, index)
+            waiting.discard((peer, index))
+            self._adopt(peer, index, sock)
         self._listener.close()  # nothing listens once the job is wired up
+        for peer in self.socks:
+            self.stripes[peer] = len(self.socks[peer])
+            self._next[peer] = 0
 
-    def _send_hello(self, sock: socket.socket, token: bytes, peer: int) -> None:
-        sock.sendall(wire.make_hello(token, self.rank, peer, secrets.token_bytes(16), wire.BULK_PURPOSE))
+    def _send_hello(self, sock: socket.socket, token: bytes, peer: int, index: int) -> None:
+        sock.sendall(wire.make_hello(token, self.rank, peer, secrets.token_bytes(16), wire.bulk_purpose(index)))
 
-    def _expect_hello(self, sock: socket.socket, token: bytes, peer: Optional[int], deadline: float) -> int:
+    def _expect_hello(self, sock: socket.socket, token: bytes, deadline: float) -> Tuple[int, int]:
+        """(sender, stream index) of the hello the connection opens with."""
         data = bytearray()
         while len(data) < wire.HELLO.size:
             left = deadline - time.monotonic()
@@ -146,14 +219,12 @@ class BulkLinks:
             if not chunk:
                 raise ValueError("connection closed during the hello")
             data += chunk
-        src = wire.check_hello(token, self.rank, bytes(data), seen=self._seen, purpose=wire.BULK_PURPOSE)
-        if peer is not None and src != peer:
-            raise PeerError(f"rank {self.rank}: bulk stream to rank {peer} answered as rank {src}", peer)
+        src, index = wire.check_bulk_hello(token, self.rank, bytes(data), self._seen)
         if not 0 <= src < self.size or src == self.rank:
             raise ValueError(f"bulk hello from rank {src}")
-        return src
+        return src, index
 
-    def _adopt(self, peer: int, sock: socket.socket) -> None:
+    def _adopt(self, peer: int, index: int, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
@@ -165,109 +236,170 @@ class BulkLinks:
             # the window keeps every write on the writer's CPU (64 MiB allreduce, 2 / 4 ranks: 42 / 117 ms
             # against 49 / 148 ms with autotuning).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._local_sndbuf)
-            self.local.append(peer)
+            if peer not in self.local:
+                self.local.append(peer)
         sock.setblocking(False)
-        self.socks[peer] = sock
-        self._out[peer], self._in[peer] = deque(), deque()
-        self._out_locks[peer] = threading.RLock()
+        socks = self.socks.setdefault(peer, [])
+        assert index == len(socks), "streams are adopted in index order"
+        socks.append(sock)
+        self._out.setdefault(peer, []).append(deque())
+        self._in.setdefault(peer, []).append(deque())
+        self._out_locks.setdefault(peer, threading.RLock())
+
+    def streams(self) -> List[Tuple[int, int, socket.socket]]:
+        """(peer, index, socket) of every stream."""
+        return [(peer, i, sock) for peer, socks in self.socks.items() for i, sock in enumerate(socks)]
+
+    def stripe(self, streams: int) -> None:
+        """Cut payloads to every peer over `streams` of its streams from now on (at most as many as
+        it has); the receiver follows each payload's announced Layout."""
+        for peer, socks in self.socks.items():
+            with self._out_locks[peer]:
+                self.stripes[peer] = max(1, min(streams, len(socks)))
+                self._next[peer] %= self.stripes[peer]
 
     # -- sending ---------------------------------------------------------------------------------
-    def send(self, peer: int, item: Outgoing) -> bool:
-        """Queue a payload and write what the kernel takes now; True if some of it is still queued."""
+    def layout(self, peer: int, nbytes: int) -> Layout:
+        """How to cut the next payload of `nbytes` to `peer`: over up to `stripes[peer]` streams in
+        parts of at least stripe_min; smaller ones go whole, each on the next stream in turn (the
+        peer's send lock held: layouts and send() calls must keep one order)."""
+        width = self.stripes.get(peer, 1)
+        if width == 1:
+            return ONE_STREAM
+        parts = max(1, min(width, nbytes // self._stripe_min))
+        first = self._next[peer]
+        self._next[peer] = (first + parts) % width
+        return Layout(parts, first, width)
+
+    def send(self, peer: int, item: Outgoing, layout: Layout = ONE_STREAM) -> bool:
+        """Queue a payload in the parts of `layout` and write what the kernel takes now; True if
+        some of it is still queued."""
         with self._out_locks[peer]:
-            queue = self._out[peer]
-            queue.append(item)
-            if len(queue) == 1:
-                self._write(peer, queue)
-            return bool(queue)
+            queues = self._out[peer]
+            if peer in self.closed_by:  # a stream of this peer broke: fail at once, whatever is queued
+                item._finish(PeerError(f"rank {self.rank}: rank {peer} {self.closed_by[peer]}", peer))
+                return False
+            cuts = split(item.view.nbytes, layout.parts)
+            item.left = len(cuts)
+            for stream, (offset, length) in zip(layout.streams(), cuts):
+                queues[stream].append(_OutPart(item, item.view[offset:offset + length]))
+            for stream in set(layout.streams()):
+                if len(queues[stream]) and queues[stream][0].payload is item:
+                    self._write(peer, stream)
+            return any(queues)
 
-    def flush(self, peer: int) -> None:
-        """Write what the kernel takes of the peer's queue (the stream polled writable)."""
+    def flush(self, peer: int, stream: int) -> None:
+        """Write what the kernel takes of one stream's queue (it polled writable)."""
         with self._out_locks[peer]:
-            self._write(peer, self._out[peer])
+            self._write(peer, stream)
 
-    def wants_write(self, peer: int) -> bool:
-        return bool(self._out[peer])
+    def wants_write(self, peer: int, stream: int) -> bool:
+        return bool(self._out[peer][stream])
 
-    def _write(self, peer: int, queue: Deque[Outgoing]) -> None:
-        sock = self.socks[peer]
+    def _write(self, peer: int, stream: int) -> None:
+        queue, sock = self._out[peer][stream], self.socks[peer][stream]
         while queue:
-            item = queue[0]
+            part = queue[0]
             try:
-                n = sock.send(item.view[item.sent:item.sent + _CHUNK])
+                n = sock.send(part.view[part.sent:part.sent + _CHUNK]) if part.view.nbytes else 0
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # any thread may write: fail the sends only, the reader fails the rest
                 self._broke(peer, f"its bulk stream broke while sending ({e})")
                 self._fail_out(peer, PeerError(f"rank {self.rank}: rank {peer} {self.closed_by[peer]}", peer))
                 return
-            item.sent += n
-            if item.sent == item.view.nbytes:
+            part.sent += n
+            if part.sent == part.view.nbytes:
                 queue.popleft()
-                item.on_done(None)
+                payload = part.payload
+                if payload.left > 0:
+                    payload.left -= 1
+                    if payload.left == 0:
+                        payload._finish(None)
 
     # -- receiving -------------------------------------------------------------------------------
-    def expect(self, peer: int, item: Incoming) -> None:
-        """The next `item.nbytes` bytes on the peer's stream belong to `item` (io lock held)."""
-        self._in[peer].append(item)
+    def expect(self, peer: int, item: Incoming, layout: Layout = ONE_STREAM) -> None:
+        """The next bytes of the streams of `layout` belong to `item`, a part on each (io lock held).
+        ValueError if the layout does not fit the peer's streams."""
+        queues = self._in[peer]
+        if not (1 <= layout.parts <= layout.width <= len(queues) and 0 <= layout.first < layout.width):
+            raise ValueError(f"a payload cut as {tuple(layout)} (parts, first, width) over {len(queues)} streams")
+        cuts = split(item.nbytes, layout.parts)
+        item.left = len(cuts)
+        for stream, (offset, length) in zip(layout.streams(), cuts):
+            queues[stream].append(_InPart(item, offset, length))
 
-    def wants_read(self, peer: int) -> bool:
-        queue = self._in[peer]
-        return bool(queue) and queue[0].claimed
+    def wants_read(self, peer: int, stream: int) -> bool:
+        queue = self._in[peer][stream]
+        return bool(queue) and queue[0].payload.claimed
 
     def unclaimed_heads(self) -> List[Incoming]:
-        """Payloads at the head of their stream that nobody has claimed yet (io lock held)."""
-        return [q[0] for q in self._in.values() if q and not q[0].claimed]
+        """Payloads with a part at the head of its stream that nobody has claimed yet (io lock held)."""
+        heads: Dict[int, Incoming] = {}
+        for queues in self._in.values():
+            for q in queues:
+                if q and not q[0].payload.claimed:
+                    heads[id(q[0].payload)] = q[0].payload
+        return list(heads.values())
 
-    def read(self, peer: int) -> None:
-        """Read what has arrived into the announced payloads, completing them in order (io lock held)."""
-        sock, queue = self.socks[peer], self._in[peer]
-        while queue and queue[0].claimed:
-            item = queue[0]
+    def read(self, peer: int, stream: int) -> None:
+        """Read what has arrived on one stream into the announced payloads' parts, in order (io lock held)."""
+        sock, queue = self.socks[peer][stream], self._in[peer][stream]
+        while queue and queue[0].payload.claimed:
+            part = queue[0]
             try:
-                n = self._read_into(peer, sock, item)
+                n = self._read_into(peer, stream, sock, part)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 self.fail(peer, f"its bulk stream broke while receiving ({e})")
                 return
-            if n == 0 and item.got < item.nbytes:
+            if n == 0 and part.got < part.nbytes:
                 self.fail(peer, "its bulk stream closed in the middle of a message")
                 return
-            if item.got == item.nbytes:
+            if part.got == part.nbytes:
                 queue.popleft()
-                item.on_done(None)
+                payload = part.payload
+                if payload.left > 0:
+                    payload.left -= 1
+                    if payload.left == 0:
+                        payload._finish(None)
 
-    def _read_into(self, peer: int, sock: socket.socket, item: Incoming) -> int:
-        """One recv for `item`; a consumed payload is handed over in aligned pieces as they fill."""
+    def _read_into(self, peer: int, stream: int, sock: socket.socket, part: _InPart) -> int:
+        """One recv for `part`; a consumed payload is handed over in aligned pieces as they fill."""
+        item = part.payload
         if item.consume is None:
-            want = min(item.nbytes - item.got, _CHUNK)
-            n = sock.recv_into(item.target[item.got:item.got + want], want) if want else 0
-            item.got += n
+            want = min(part.nbytes - part.got, _CHUNK)
+            at = part.offset + part.got
+            n = sock.recv_into(item.target[at:at + want], want) if want else 0
+            part.got += n
             return n
-        buf = self._pieces.get(peer)
+        buf = self._pieces.get((peer, stream))
         if buf is None:
-            buf = self._pieces[peer] = memoryview(bytearray(STREAM_CHUNK + _ALIGN))
-        room = min(STREAM_CHUNK + _ALIGN - item.fill, item.nbytes - item.got - item.fill)
-        n = sock.recv_into(buf[item.fill:item.fill + room], room) if room else 0
-        item.fill += n
-        last = item.got + item.fill == item.nbytes
-        if last or item.fill >= STREAM_CHUNK:
-            usable = item.fill if last else item.fill - item.fill % _ALIGN
-            item.consume(buf[:usable], item.got)
-            item.got += usable
-            item.fill -= usable
-            buf[:item.fill] = buf[usable:usable + item.fill]
+            buf = self._pieces[(peer, stream)] = memoryview(bytearray(STREAM_CHUNK + _ALIGN))
+        room = min(STREAM_CHUNK + _ALIGN - part.fill, part.nbytes - part.got - part.fill)
+        n = sock.recv_into(buf[part.fill:part.fill + room], room) if room else 0
+        part.fill += n
+        last = part.got + part.fill == part.nbytes
+        if last or part.fill >= STREAM_CHUNK:
+            usable = part.fill if last else part.fill - part.fill % _ALIGN
+            item.consume(buf[:usable], part.offset + part.got)
+            part.got += usable
+            part.fill -= usable
+            buf[:part.fill] = buf[usable:usable + part.fill]
         return n
 
     def fail(self, peer: int, why: str) -> None:
-        """The peer's stream is unusable: fail everything queued on it, both ways (io lock held)."""
+        """The peer's streams are unusable: fail everything queued on them, both ways (io lock held)."""
         self._broke(peer, why)
         err = PeerError(f"rank {self.rank}: rank {peer} {why}", peer)
-        pending = list(self._in[peer])
-        self._in[peer].clear()
-        for item in pending:
-            item.on_done(err)
+        pending: Dict[int, Incoming] = {}
+        for queue in self._in[peer]:
+            for part in queue:
+                pending[id(part.payload)] = part.payload
+            queue.clear()
+        for item in pending.values():
+            item._finish(err)
         self._fail_out(peer, err)
 
     def _broke(self, peer: int, why: str) -> None:
@@ -276,25 +408,28 @@ class BulkLinks:
 
     def _fail_out(self, peer: int, err: PeerError) -> None:
         with self._out_locks[peer]:
-            pending = list(self._out[peer])
-            self._out[peer].clear()
-        for item in pending:
-            item.on_done(err)
+            pending: Dict[int, Outgoing] = {}
+            for queue in self._out[peer]:
+                for part in queue:
+                    pending[id(part.payload)] = part.payload
+                queue.clear()
+        for item in pending.values():
+            item._finish(err)
 
     # -- teardown --------------------------------------------------------------------------------
     def drain_sends(self, deadline: float) -> None:
         """Write out queued payloads before closing, until `deadline`."""
-        for peer, sock in self.socks.items():
-            while self._out[peer] and peer not in self.closed_by and time.monotonic() < deadline:
+        for peer, stream, sock in self.streams():
+            while self._out[peer][stream] and peer not in self.closed_by and time.monotonic() < deadline:
                 select.select([], [sock], [], max(0.0, min(0.1, deadline - time.monotonic())))
-                self.flush(peer)
+                self.flush(peer, stream)
 
     def close(self) -> None:
         try:
             self._listener.close()
         except OSError:
             pass
-        for sock in self.socks.values():
+        for _, _, sock in self.streams():
             sock.close()
         self.socks.clear()
 

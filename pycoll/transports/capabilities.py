@@ -22,6 +22,27 @@ class SinkReceive(Capability):
     buffer (a ring, a stream buffer, a landing zone), so a reduction can read it without a copy."""
 
 
+class Striping(Capability, ABC):
+    """Large payloads cut over several TCP streams per pair of ranks (NCCL_NSOCKS_PERTHREAD): where
+    the network caps each flow below the link rate, k streams move up to k flows' worth. The
+    streams are opened at connect (PYCOLL_NSOCKS); how many a payload is cut over can change
+    between calls (each payload's announcement says how it was cut)."""
+
+    automatic: bool  # PYCOLL_NSOCKS=auto: the tuner picks the width; else the user fixed it
+
+    @abstractmethod
+    def streams(self, peer: int) -> int:
+        """Streams open to `peer` (1: its payloads go whole)."""
+
+    @abstractmethod
+    def width(self) -> int:
+        """How many streams large payloads are cut over now (to peers that have that many)."""
+
+    @abstractmethod
+    def use(self, streams: int) -> None:
+        """Cut large payloads over `streams` streams from now on (at most what each peer has)."""
+
+
 class Board(ABC):
     """One communicator's slots in memory its ranks share: each call, every member posts a flat array
     and reads everyone's (see transports/shm_board.py for the protocol)."""

@@ -9,7 +9,7 @@ from typing import Any, ContextManager, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from .base import ANY, MsgKey, Request, Sink, Transport
-from .capabilities import SharedBoard, SharedMemory, SinkReceive
+from .capabilities import SharedBoard, SharedMemory, SinkReceive, Striping
 from .matching import Match, Matcher
 from .shm import ShmTransport
 from .tcp import TcpTransport
@@ -46,6 +46,9 @@ class AutoTransport(Transport):
         for t in (self._shm, self._tcp):
             if t is not None:
                 t.connect(store, token, max(0.0, deadline - time.monotonic()))
+        striping = self._tcp.offers(Striping) if self._tcp is not None else None
+        if striping is not None:  # the tcp part's streams to other hosts (known once connected)
+            self.capabilities[Striping] = striping
 
     def isend(self, view: memoryview, peer: int, key: MsgKey, dtype: int = 0) -> Request:
         """The peer's own transport makes, admits and starts the request."""

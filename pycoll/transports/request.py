@@ -9,8 +9,9 @@ ANY = -1
 """The `peer` of a receive from any source (MPI_ANY_SOURCE) until it matched; then the sender's rank."""
 
 Sink = Callable[[memoryview, int], None]
-"""Consumes a received payload in place: sink(piece, offset) once or several times, in order; each
-piece starts at byte `offset` of the message, a multiple of 16 (so of every dtype's itemsize)."""
+"""Consumes a received payload in place: sink(piece, offset) once or several times, each byte once (in
+order, except where tcp cuts a payload over several streams: their pieces interleave); each piece
+starts at byte `offset` of the message, a multiple of 16 (so of every dtype's itemsize)."""
 
 class MsgKey(NamedTuple):
     """What a message belongs to: communicator, collective call number, and step tag."""

@@ -1,11 +1,13 @@
 """TCP transport on pyzmq: one ROUTER per rank for everything inbound, one DEALER per peer outbound.
 
 Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
-travel on a raw stream per pair (bulk.py), read straight into the posted buffer; smaller ones
-ride zmq. Whichever thread waits drives all sockets (leader/follower), so a single-threaded
-job pays no thread hand-off per message. What a peer may have sent us unconsumed is bounded:
-zmq messages by credit flow control (flow.py, PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by
-their stream (they wait on it, unread, until claimed or parked).
+travel on raw streams per pair (bulk.py), read straight into the posted buffer; smaller ones
+ride zmq. Between hosts a pair may hold several streams (PYCOLL_NSOCKS) and cut large payloads
+over them, for networks that cap each flow below the link rate. Whichever thread waits drives all
+sockets (leader/follower), so a single-threaded job pays no thread hand-off per message. What a
+peer may have sent us unconsumed is bounded: zmq messages by credit flow control (flow.py,
+PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by their streams (they wait on them, unread,
+until claimed or parked).
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import logging
 import math
 import secrets
 import socket
+import struct
 import threading
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zmq
@@ -27,10 +30,10 @@ from ..errors import PeerError, TimeoutError
 from ..logutil import RateLimitedLog
 from . import wire
 from .base import MsgKey, Request, Transport
-from .capabilities import SinkReceive
+from .capabilities import SinkReceive, Striping
 from .flow import Credits
 from .matching import Match, Matcher, fail
-from .bulk import BulkLinks, Incoming, Outgoing
+from .bulk import ONE_STREAM, BulkLinks, Incoming, Layout, Outgoing
 
 log = logging.getLogger("pycoll.tcp")
 
@@ -40,6 +43,9 @@ _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
 _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
+
+AUTO_STREAMS = 4  # streams PYCOLL_NSOCKS=auto opens to each rank on another host (the tuner picks how many to use)
+_LAYOUT = struct.Struct("<HHH")  # a striped bulk announcement's second frame: parts, first stream, width
 
 # zmq's flags as plain ints: the hot path pays for every IntFlag | and & (an enum object each)
 POLLIN, POLLOUT, POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
@@ -61,6 +67,37 @@ class _Parked:
         self.req: Optional[Request] = None
 
 
+def streams_offered(setting: Union[str, int], same_host: bool) -> int:
+    """Streams a rank with PYCOLL_NSOCKS=`setting` opens to a peer: a number is that many to every
+    peer; auto is AUTO_STREAMS to other hosts and 1 on this host (loopback has no per-flow cap,
+    and more streams there only cost polls and copies on shared cores)."""
+    if setting == "auto":
+        return 1 if same_host else AUTO_STREAMS
+    return int(setting)
+
+
+class _Striping(Striping):
+    """The Striping a TcpTransport offers (over its BulkLinks)."""
+
+    def __init__(self, bulk: BulkLinks, automatic: bool) -> None:
+        self._bulk, self.automatic = bulk, automatic
+        self._width = 1
+
+    def streams(self, peer: int) -> int:
+        return len(self._bulk.socks.get(peer, ())) or 1
+
+    def widest(self) -> int:
+        """The most streams open to any peer."""
+        return max((len(s) for s in self._bulk.socks.values()), default=1)
+
+    def width(self) -> int:
+        return self._width
+
+    def use(self, streams: int) -> None:
+        self._width = max(1, min(int(streams), self.widest()))
+        self._bulk.stripe(self._width)
+
+
 class TcpTransport(Transport):
     """Tagged point-to-point over TCP with zero-copy sends and receives into the user's buffer."""
 
@@ -73,6 +110,8 @@ class TcpTransport(Transport):
         super().__init__(rank, size)
         self.capabilities[SinkReceive] = SinkReceive()
         self.peers = sorted(set(range(size) if peers is None else peers) | {rank})
+        self._hosts = list(hosts) if hosts else [""] * size  # host ids: who shares this host
+        self._nsocks = config.get("PYCOLL_NSOCKS")
         self._copy_threshold = config.get("PYCOLL_TCP_COPY_THRESHOLD")
         self._bulk_threshold = config.get("PYCOLL_TCP_BULK_THRESHOLD")  # inf: zmq only
         self._socket_buffer = config.get("PYCOLL_TCP_SOCKET_BUFFER")  # SO_SNDBUF/SO_RCVBUF; 0: autotuning
@@ -100,8 +139,9 @@ class TcpTransport(Transport):
         self._match = threading.Lock()         # guards self.matcher
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"),
-                               on_broken=self.matcher.refuse)
-        self._bulk_polled: Dict[int, int] = {}     # peer -> poll flags its stream is registered with
+                               on_broken=self.matcher.refuse, stripe_min=config.get("PYCOLL_TCP_STRIPE_MIN"))
+        self._striping = _Striping(self._bulk, self._nsocks == "auto")
+        self._bulk_polled: Dict[Tuple[int, int], int] = {}  # (peer, stream) -> poll flags it is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -121,13 +161,16 @@ class TcpTransport(Transport):
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         self._token = token
-        store.set(f"tcp/{self.rank}", f"{self.endpoint} {self._bulk.endpoint}".encode())
+        store.set(f"tcp/{self.rank}", f"{self.endpoint} {self._bulk.endpoint} {self._nsocks}".encode())
         bulk_endpoints: Dict[int, str] = {}
         heartbeat = config.get("PYCOLL_TCP_HEARTBEAT")
+        streams: Dict[int, int] = {}
         for peer in self.peers:
-            endpoint, bulk_endpoint = store.get(f"tcp/{peer}", timeout).decode().split()
+            endpoint, bulk_endpoint, nsocks = store.get(f"tcp/{peer}", timeout).decode().split()
             if peer != self.rank:
                 bulk_endpoints[peer] = bulk_endpoint
+                same = self._hosts[peer] == self._hosts[self.rank]
+                streams[peer] = min(streams_offered(self._nsocks, same), streams_offered(nsocks, same))
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -154,7 +197,11 @@ class TcpTransport(Transport):
                                    f"ranks {missing} within {timeout:g} s", peers=missing)
             with self._io:
                 self._drain(_SLICE)
-        self._bulk.establish(bulk_endpoints, token, deadline)
+        self._bulk.establish(bulk_endpoints, token, deadline, streams)
+        # a fixed PYCOLL_NSOCKS cuts over every stream; auto over one until the tuner picks (calibration.py)
+        self._striping.use(1 if self._nsocks == "auto" else self._striping.widest())
+        if self._striping.widest() > 1:
+            self.capabilities[Striping] = self._striping
 
     # -- data path -----------------------------------------------------------------------------
     def _start_send(self, req: Request) -> None:
@@ -189,9 +236,10 @@ class TcpTransport(Transport):
             req.error, req.done = error, True
 
         def start() -> None:
-            self._dealers[peer].send_multipart([announce, b""])
-            if self._bulk.send(peer, Outgoing(req.view, done)):
-                self._wake()  # whoever drives must now poll this stream for writing
+            layout = self._bulk.layout(peer, req.nbytes)
+            self._dealers[peer].send_multipart([announce, b"" if layout == ONE_STREAM else _LAYOUT.pack(*layout)])
+            if self._bulk.send(peer, Outgoing(req.view, done), layout):
+                self._wake()  # whoever drives must now poll its streams for writing
 
         announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
         with self._send_locks[peer]:  # the announcement costs credit: it keeps its place among the messages
@@ -317,12 +365,12 @@ class TcpTransport(Transport):
         events = dict(self._poller.poll(math.ceil(step * 1000)))
         if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
             self._drain_wakeups()
-        for peer in self._bulk_polled:
-            ev = events.get(self._bulk.socks[peer].fileno(), 0)
+        for lane in self._bulk_polled:
+            ev = events.get(self._bulk.socks[lane[0]][lane[1]].fileno(), 0)
             if ev & POLLOUT:
-                self._bulk.flush(peer)
+                self._bulk.flush(*lane)
             if ev & (POLLIN | POLLERR):
-                self._bulk.read(peer)
+                self._bulk.read(*lane)
         if self._router in events:
             self._read_router()
         now = time.monotonic()
@@ -339,15 +387,18 @@ class TcpTransport(Transport):
 
     def _poll_streams(self) -> None:
         """Poll each raw stream for reading while payloads are announced, for writing while queued."""
-        for peer, sock in self._bulk.socks.items():
-            flags = (POLLIN if self._bulk.wants_read(peer) else 0) | (POLLOUT if self._bulk.wants_write(peer) else 0)
-            if flags != self._bulk_polled.get(peer, 0):
+        bulk = self._bulk
+        for peer, stream, sock in bulk.streams():
+            lane = (peer, stream)
+            flags = (POLLIN if bulk.wants_read(peer, stream) else 0) | \
+                (POLLOUT if bulk.wants_write(peer, stream) else 0)
+            if flags != self._bulk_polled.get(lane, 0):
                 if not flags:
                     self._poller.unregister(sock)
-                    del self._bulk_polled[peer]
+                    del self._bulk_polled[lane]
                 else:
                     self._poller.register(sock, flags)  # registering again modifies
-                    self._bulk_polled[peer] = flags
+                    self._bulk_polled[lane] = flags
 
     def _wake(self) -> None:
         """Interrupt the driver's poll; a full socket means a wake-up is pending already (a burst of
@@ -389,8 +440,9 @@ class TcpTransport(Transport):
                 self._skip_rest()
                 self._said_bye.add(peer)
             elif header.kind == wire.KIND_BULK:
+                cut = router.recv()
                 self._skip_rest()
-                self._announce(peer, header)
+                self._announce(peer, header, cut)
             elif header.kind == wire.KIND_CREDIT:
                 self._skip_rest()
                 self._credit_back(peer, header.nbytes)
@@ -424,10 +476,20 @@ class TcpTransport(Transport):
         req.done = True
         self._consumed(peer, header.nbytes)
 
-    def _announce(self, peer: int, header: wire.Header) -> None:
-        """A bulk payload is next on the peer's stream: aim it at its receive, or park it."""
+    def _announce(self, peer: int, header: wire.Header, cut: bytes) -> None:
+        """A bulk payload is next on the peer's streams (cut as `cut` says, b"": whole on stream 0):
+        aim it at its receive, or park it."""
         if peer not in self._bulk.socks:
             self._reject(b"", f"rank {peer} announced a bulk payload without a bulk stream")
+            return
+        try:
+            layout = Layout(*_LAYOUT.unpack(cut)) if cut else ONE_STREAM
+            if not 1 <= layout.parts <= layout.width <= len(self._bulk.socks[peer]) or layout.first >= layout.width:
+                raise ValueError(f"cut as {tuple(layout)} (parts, first, width) over "
+                                 f"{len(self._bulk.socks[peer])} streams")
+        except (struct.error, ValueError) as e:  # its streams are out of step with us now: give up on the peer
+            self._reject(b"", f"rank {peer} announced a bulk payload we cannot place: {e}")
+            self._bulk.fail(peer, f"announced a bulk payload we cannot place ({e})")
             return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
@@ -437,7 +499,7 @@ class TcpTransport(Transport):
                 parked = incoming.owner = _Parked(incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
                 self.matcher.stash(match, (header, parked))
-            self._bulk.expect(peer, incoming)
+            self._bulk.expect(peer, incoming, layout)
         if req is not None:
             self._consumed(peer, 0)
             req.check_incoming(self.rank, header.nbytes, header.dtype)

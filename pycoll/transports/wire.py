@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import NamedTuple, Optional, Set
+from typing import NamedTuple, Optional, Set, Tuple
 
 MAGIC = b"PYCL"
 VERSION = 1
@@ -41,6 +41,12 @@ def unpack_header(data: bytes) -> Header:
 
 HELLO_PURPOSE = b"pycoll-hello"  # each channel its own: a hello captured on one is no good on another
 BULK_PURPOSE = b"pycoll-bulk-hello"
+MAX_STREAMS = 16  # raw streams a pair of ranks may open (bulk.py); each proves the token with its own index
+
+
+def bulk_purpose(index: int) -> bytes:
+    """The channel of a pair's bulk stream `index`: its hello is good for that stream only."""
+    return BULK_PURPOSE if index == 0 else BULK_PURPOSE + b"#%d" % index
 
 
 def hello_mac(token: bytes, src: int, dst: int, nonce: bytes, purpose: bytes = HELLO_PURPOSE) -> bytes:
@@ -73,3 +79,17 @@ def check_hello(token: bytes, dst: int, payload: bytes, *, src: Optional[int] = 
             raise ValueError("replayed hello")
         seen.add(nonce)
     return sender
+
+
+def check_bulk_hello(token: bytes, dst: int, payload: bytes, seen: Set[bytes]) -> Tuple[int, int]:
+    """(sender, stream index) of a valid bulk-stream hello addressed to `dst` (check_hello's rules,
+    replay guard included); the index is bound into the MAC, so a hello for one stream opens no other."""
+    if len(payload) != HELLO.size:
+        raise ValueError("hello of the wrong size")
+    sender, to, nonce, mac = HELLO.unpack(payload)
+    if to != dst:
+        raise ValueError(f"hello addressed to rank {to}, not {dst}")
+    for index in range(MAX_STREAMS):
+        if hmac.compare_digest(mac, hello_mac(token, sender, dst, nonce, bulk_purpose(index))):
+            return check_hello(token, dst, payload, seen=seen, purpose=bulk_purpose(index)), index
+    raise ValueError("hello with a wrong job token")

@@ -25,7 +25,7 @@ import types
 import unittest
 
 SUITE = "torch.testing._internal.distributed.distributed_test"
-LIFT_ENV = "PYCOLL_SUITE_LIFT_GLOO_GATES"  # set by main(), inherited by the spawned ranks
+LIFT_ENV = "TORCH_SUITE_LIFT_GLOO_GATES"  # set by main(), inherited by the spawned ranks
 
 
 def _gloo_like_source(src: str) -> tuple[str, int]:
@@ -47,14 +47,16 @@ def _gloo_like_source(src: str) -> tuple[str, int]:
 
 
 def load_suite() -> types.ModuleType:
-    """Import distributed_test for the backend in $BACKEND (gates lifted when $PYCOLL_SUITE_LIFT_GLOO_GATES=1)."""
+    """Import distributed_test for the backend in $BACKEND (gates lifted when $TORCH_SUITE_LIFT_GLOO_GATES=1)."""
     backend = os.environ["BACKEND"]
     if backend == "pycoll":
         import pycoll.torch  # noqa: F401  registers the backend before the suite's decorators run
     from torch.testing._internal.common_distributed import DistTestCases
 
     if backend not in ("gloo", "nccl", "ucc", "mpi"):
-        for feature in ("plugin", "ddp", "subgroup"):
+        # "gpu" gates 33 CPU tests (DDP, object collectives) that gloo runs here on CPU: a misnomer,
+        # nothing in them touches a GPU unless CUDA is available; "cuda" stays gloo/nccl/ucc only
+        for feature in ("plugin", "ddp", "subgroup", "gpu"):
             DistTestCases.backend_feature[feature].add(backend)
     if os.environ.get(LIFT_ENV) != "1":
         return importlib.import_module(SUITE)

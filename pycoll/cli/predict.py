@@ -1,0 +1,253 @@
+"""`pycoll predict`: how long one training step takes on H hosts of L ranks, and why, from a workload
+recorded once (`python -m pycoll.trainer ... --report-json FILE`).
+
+    pycoll predict --workload rec.json --hosts 4 --ppn 2 --link-gbit 1 --link-latency-us 50
+    pycoll predict --workload rec.json --hosts 8 --ppn 4 --link-gbit 10 --sweep --sweep-gbit 1,10,100
+    pycoll predict --workload rec.json --measured run2.json run4.json --plot pred.png
+
+Predicted step = compute + exposed communication (bucket by bucket against backward, with the
+algorithm the tuner picks on that topology) + waiting for the slowest rank; the model is
+pycoll/predict/model.py. With --measured (the same trainer's reports of real runs) it predicts each
+of those runs from the workload alone and prints predicted, measured and the error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import EnvError
+from ..predict.model import Prediction, Target, build_topology, placement, predict, recorded_target
+from ..predict.workload import Workload, WorkloadError, load
+from ..topology import load_topo_file
+from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
+from ..tuner import Link
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pycoll predict", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", required=True, metavar="FILE", help="workload record (trainer --report-json)")
+    ap.add_argument("--hosts", type=int, default=1, help="hosts of the target cluster (default 1)")
+    ap.add_argument("--ppn", type=int, default=1, help="ranks per host (default 1)")
+    ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")
+    ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's)")
+    ap.add_argument("--topo-file", metavar="T", help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links")
+    ap.add_argument("--placement", default="packed",
+                    help="packed (ranks 0..L-1 on host 0, ...), scattered (rank r on host r mod H) or a JSON "
+                         "file holding the host of each rank as a list")
+    ap.add_argument("--batch-size", type=int, help="global batch of the target (default: the recorded one)")
+    ap.add_argument("--cores", type=int, help="cores per host (default: the recorded host's)")
+    ap.add_argument("--shared-cores", type=int, default=0, metavar="N",
+                    help="all ranks share N cores: hosts emulated on one machine (network namespaces)")
+    ap.add_argument("--algo", help="price every bucket with this allreduce algorithm (default: the tuner's pick)")
+    ap.add_argument("--no-fit", action="store_true",
+                    help="ignore the recorded run's measured slowdowns (compute interference, message latency)")
+    ap.add_argument("--sweep", action="store_true", help="table over hosts 1, 2, 4, .., H and ppn 1, 2, 4, .., L")
+    ap.add_argument("--sweep-gbit", metavar="G,G,...", help="with --sweep: also over these link rates")
+    ap.add_argument("--measured", nargs="+", metavar="FILE", help="trainer reports of real runs to predict and compare")
+    ap.add_argument("--json", action="store_true", help="print JSON (the predicted step under step_ms)")
+    ap.add_argument("--plot", metavar="OUT.png", help="with --measured: predicted against measured; with --sweep: "
+                                                      "step time and efficiency over ranks")
+    return ap
+
+
+def target_for(w: Workload, args: argparse.Namespace, hosts: int, ppn: int, gbit: Optional[float] = None) -> Target:
+    """The Target the options describe for `hosts` x `ppn` ranks."""
+    params = w.params
+    spec: Dict[str, Any] = load_topo_file(args.topo_file) if args.topo_file else {}
+    if "links" in spec:
+        from ..calibration import file_links
+        links = file_links(spec)
+        params = replace(params, shm=links.get("shm", params.shm), net=links.get("net", params.net))
+    rate = gbit if gbit is not None else args.link_gbit
+    net = Link(params.net.alpha if args.link_latency_us is None else args.link_latency_us * 1e-6,
+               params.net.beta if rate is None else 8e-9 / rate)
+    params = replace(params, net=net)
+    if spec.get("hosts"):
+        names = list(spec["hosts"])
+        host_of = [0] * (1 + max(r for ranks in spec["hosts"].values() for r in ranks))
+        for h, name in enumerate(names):
+            for r in spec["hosts"][name]:
+                host_of[r] = h
+    elif args.placement in ("packed", "scattered", "interleaved"):
+        host_of = placement(hosts, ppn, args.placement)
+    else:
+        with open(args.placement) as fh:
+            host_of = [int(h) for h in json.load(fh)]
+    nhosts = max(host_of) + 1
+    cores = [args.cores or (w.cores[0] if w.cores else 0)] * nhosts
+    for r, over in spec.get("ranks", {}).items():
+        if "cores" in over and int(r) < len(host_of):
+            cores[host_of[int(r)]] = int(over["cores"])
+    single = nhosts == 1
+    return Target(build_topology(host_of, cores), params, args.batch_size or w.global_batch,
+                  shared_cores=args.shared_cores, algo=args.algo,
+                  board_bytes=(w.board_bytes or SLOT_BYTES) if single else 0,
+                  stage_bytes=(w.stage_bytes or STAGE_BYTES) if single else 0)
+
+
+def describe(p: Prediction, t: Target) -> str:
+    """The answer for one target, with the bucket-by-bucket timeline."""
+    lines = [f"{p.ranks} rank(s) on {p.hosts} host(s) ({p.per_host} per host), {p.local_batch:g} samples per rank, "
+             f"net {t.params.net.describe()}",
+             f"predicted step {p.step_ms:.2f} ms [{p.low_ms:.2f}, {p.high_ms:.2f}] = compute {p.compute_ms:.2f} + "
+             f"exposed comm {p.comm_ms:.2f} + wait {p.wait_ms:.2f}",
+             f"  communication {p.comm_total_ms:.2f} ms in all, {_hidden(p):.0%} hidden behind backward; slowest rank "
+             f"{p.straggle_ms:.2f} ms behind; compute x{p.sharing:.2g} for core sharing, x{p.interference:.2f} "
+             f"interference; +{p.latency_fit_us:.0f} us per message fitted",
+             f"  1 rank: {p.one_rank_ms:.2f} ms per step -> speedup {p.speedup:.2f}x, scaling efficiency "
+             f"{p.efficiency:.0%}"]
+    if p.buckets:
+        lines.append("  bucket        bytes  algorithm            ready    start      end   (ms from step start)")
+        for k, b in enumerate(p.buckets):
+            lines.append(f"  {k:>6} {b.nbytes:>12}  {b.algorithm:<18} {b.ready_ms:>7.2f} {b.start_ms:>8.2f} "
+                         f"{b.end_ms:>8.2f}")
+    return "\n".join(lines)
+
+
+def _hidden(p: Prediction) -> float:
+    return max(0.0, p.comm_total_ms - p.comm_ms) / p.comm_total_ms if p.comm_total_ms > 0 else 0.0
+
+
+def _ladder(top: int) -> List[int]:
+    out, k = [], 1
+    while k < top:
+        out.append(k)
+        k *= 2
+    return out + [top]
+
+
+def sweep(w: Workload, args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Predictions over hosts x ppn (x link rates)."""
+    rates: Sequence[Optional[float]] = [float(g) for g in args.sweep_gbit.split(",")] if args.sweep_gbit else [None]
+    rows = []
+    for gbit in rates:
+        for hosts in _ladder(args.hosts):
+            for ppn in _ladder(args.ppn):
+                t = target_for(w, args, hosts, ppn, gbit)
+                p = predict(w, t, fit=not args.no_fit)
+                rows.append({"gbit": 8e-9 / t.params.net.beta, **p.to_dict(), "algorithm": _main_algo(p)})
+    return rows
+
+
+def _main_algo(p: Prediction) -> str:
+    return max(p.buckets, key=lambda b: b.nbytes).algorithm if p.buckets else "-"
+
+
+def sweep_table(rows: List[Dict[str, Any]]) -> str:
+    """Markdown table of a sweep."""
+    lines = ["| link Gbit/s | hosts | ppn | ranks | step ms [interval] | compute | exposed comm | wait | speedup | "
+             "efficiency | largest bucket |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['gbit']:.3g} | {r['hosts']} | {r['per_host']} | {r['ranks']} | {r['step_ms']:.2f} "
+                     f"[{r['low_ms']:.2f}, {r['high_ms']:.2f}] | {r['compute_ms']:.2f} | {r['comm_ms']:.2f} | "
+                     f"{r['wait_ms']:.2f} | {r['speedup']:.2f}x | {r['efficiency']:.0%} | {r['algorithm']} |")
+    return "\n".join(lines)
+
+
+def compare(w: Workload, paths: Sequence[str], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Each measured run (a trainer report) predicted from `w` on its own topology."""
+    rows = []
+    for path in paths:
+        m = load(path)
+        if [b.nbytes for b in m.buckets] != [b.nbytes for b in w.buckets]:
+            raise ValueError(f"{path}: its gradient buckets {[b.nbytes for b in m.buckets]} are not the workload's "
+                             f"{[b.nbytes for b in w.buckets]} (a different model or --bucket-kb)")
+        t = recorded_target(m)
+        params = t.params if args.link_gbit is None and args.link_latency_us is None else \
+            replace(t.params, net=Link(t.params.net.alpha if args.link_latency_us is None else args.link_latency_us * 1e-6,
+                                       t.params.net.beta if args.link_gbit is None else 8e-9 / args.link_gbit))
+        t = replace(t, params=params, algo=args.algo, global_batch=m.global_batch,
+                    shared_cores=args.shared_cores or t.shared_cores)
+        p = predict(w, t, fit=not args.no_fit)
+        rows.append({"run": path, "ranks": m.ranks, "hosts": t.topo.nhosts, "host_of": m.host_of,
+                     "predicted_ms": p.step_ms, "low_ms": p.low_ms, "high_ms": p.high_ms, "measured_ms": m.step_ms,
+                     "error": (p.step_ms - m.step_ms) / m.step_ms, "prediction": p.to_dict(),
+                     "measured": m.measured})
+    return rows
+
+
+def compare_table(rows: List[Dict[str, Any]]) -> str:
+    """Markdown table of predicted vs measured, with mean and max absolute error."""
+    lines = ["| run | ranks | hosts | placement | predicted ms [interval] | measured ms | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['ranks']} | {r['hosts']} | {''.join(map(str, r['host_of']))} | "
+                     f"{r['predicted_ms']:.1f} [{r['low_ms']:.1f}, {r['high_ms']:.1f}] | {r['measured_ms']:.1f} | "
+                     f"{r['error']:+.0%} |")
+    errs = [abs(r["error"]) for r in rows]
+    lines.append(f"\nmean |error| {sum(errs) / len(errs):.0%}, max |error| {max(errs):.0%} over {len(errs)} run(s)")
+    return "\n".join(lines)
+
+
+def plot_compare(rows: List[Dict[str, Any]], path: str, title: str) -> None:
+    """Predicted (with its interval) against measured step time, one point per run."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5.5, 5))
+    ax = fig.subplots()
+    top = max(max(r["measured_ms"], r["high_ms"]) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], color="grey", lw=0.8, label="predicted = measured")
+    ax.fill_between([0, top], [0, top * 0.75], [0, top * 1.25], color="grey", alpha=0.12, label="+-25%")
+    for r in rows:
+        ax.errorbar(r["measured_ms"], r["predicted_ms"], yerr=[[r["predicted_ms"] - r["low_ms"]],
+                                                               [r["high_ms"] - r["predicted_ms"]]], fmt="o", capsize=3)
+        ax.annotate(f"{r['ranks']}r/{r['hosts']}h", (r["measured_ms"], r["predicted_ms"]), fontsize=7,
+                    xytext=(4, -8), textcoords="offset points")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step (ms, median)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_sweep(rows: List[Dict[str, Any]], path: str) -> None:
+    """Predicted step time and scaling efficiency over ranks, one line per (link rate, ppn)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4))
+    a, b = fig.subplots(1, 2)
+    for key in sorted({(r["gbit"], r["per_host"]) for r in rows}):
+        pts = sorted((r["ranks"], r["step_ms"], r["efficiency"]) for r in rows if (r["gbit"], r["per_host"]) == key)
+        label = f"{key[0]:.3g} Gbit/s, {key[1]} per host"
+        a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        b.plot([p[0] for p in pts], [100 * p[2] for p in pts], "o-", label=label)
+    a.set_xlabel("ranks")
+    a.set_ylabel("predicted step (ms)")
+    b.set_xlabel("ranks")
+    b.set_ylabel("scaling efficiency (%)")
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.hosts < 1 or args.ppn < 1:
+        print("pycoll predict: --hosts and --ppn must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        w = load(args.workload)
+        if args.measured:
+            rows = compare(w, args.measured, args)
+            errs = [abs(r["error"]) for r in rows]
+            if args.plot:
+                plot_compare(rows, args.plot, f"pycoll predict from {args.workload}")
+            print(json.dumps({"runs": rows, "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs)},
+                             indent=1) if args.json else compare_table(rows))
+        elif args.sweep:
+            rows = sweep(w, args)
+            if args.plot:
+                plot_sweep(rows, args.plot)
+            print(json.dumps({"rows": rows}, indent=1) if args.json else sweep_table(rows))
+        else:
+            t = target_for(w, args, args.hosts, args.ppn)
+            p = predict(w, t, fit=not args.no_fit)
+            print(json.dumps(p.to_dict(), indent=1) if args.json else describe(p, t))
+    except (WorkloadError, EnvError, ValueError, OSError) as e:
+        print(f"pycoll predict: {e}", file=sys.stderr)
+        return 2
+    return 0
