@@ -4,13 +4,17 @@ Algorithms call only this, so they never see sockets, transports or global rank 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .errors import ProtocolError
 from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
 from .transports.capabilities import Board, SinkReceive
+
+if TYPE_CHECKING:
+    from .windows import Registry
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
@@ -35,10 +39,12 @@ class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
     def __init__(self, *, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
-                 seq: int, timeout: float, what: object, board: Optional[Board] = None) -> None:
+                 seq: int, timeout: float, what: object, board: Optional[Board] = None,
+                 windows: Optional["Registry"] = None) -> None:
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
         self.board = board  # the communicator's shared-memory board, where it has one
+        self.windows = windows  # the communicator's registered buffers, where it can have them
         self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
 
     def derive(self, *, group: Optional[Sequence[int]] = None, rank: Optional[int] = None,
@@ -103,6 +109,34 @@ class Channel:
             return None
         return board.exchange(arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
                               self.what, stage)
+
+    def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
+        """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].
+        None (on every rank alike: the ranks agree over the board, one synchronisation) unless every
+        rank's `arrays` all lie in registered buffers of this communicator. `sig` says what the call
+        is, as for board_exchange; ProtocolError if the ranks' arrays differ in size or dtype."""
+        windows = self.windows
+        if windows is None or not windows.used or self.board is None:
+            return None
+        post = np.empty((len(arrays), 4), np.int64)
+        for i, arr in enumerate(arrays):
+            where = windows.find(arr)
+            post[i] = (-1, 0, arr.nbytes, dtype_code(arr.dtype)) if where is None else \
+                (where[0], where[1], arr.nbytes, dtype_code(arr.dtype))
+        posts = self.board_exchange(post, sig)
+        assert posts is not None  # a few words always fit a board slot
+        table = np.stack(posts).reshape(self.size, len(arrays), 4)
+        bad = np.nonzero((table[:, :, 2:] != post[None, :, 2:]).any(axis=(1, 2)))[0]
+        if bad.size:
+            p = int(bad[0])
+            raise ProtocolError(f"{self.what}: rank {self.rank}: rank {p} passed {table[p, :, 2].tolist()} bytes "
+                                f"of dtype codes {table[p, :, 3].tolist()}, this rank {post[:, 2].tolist()} of "
+                                f"{post[:, 3].tolist()}; every rank must pass the same sizes and dtypes",
+                                self.group[p])
+        if (table[:, :, 0] < 0).any():
+            return None
+        return [[windows.view(m, int(table[m, i, 0]), int(table[m, i, 1]), arr) for m in range(self.size)]
+                for i, arr in enumerate(arrays)]
 
     def stage_bytes(self) -> int:
         """What one stage slot of this communicator's board holds (0: no board, or no stage)."""

@@ -1,6 +1,7 @@
 """Communicator: validates arguments, numbers each call, picks an algorithm and runs it on a Channel."""
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -8,6 +9,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from . import calibration, debug, ft
+from .algorithms import symmetric
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
@@ -19,12 +21,14 @@ from .selection import Selector, resolve
 from .topology import Topology
 from .trace import recorder
 from .transports.base import ANY, MsgKey, Transport
-from .transports.capabilities import Board, SharedBoard
+from .transports.capabilities import Board, SharedBoard, SharedMemory
+from .windows import Registry
 from .work import Work, Worker
 
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
 ANY_SOURCE = -1  # recv/irecv src: the first message with the tag from any rank (MPI_ANY_SOURCE)
 OpLike = Union[ReduceOp, str]
+_REGISTERED = frozenset({"allreduce", "allgather", "reduce_scatter", "broadcast"})  # read in place (symmetric)
 
 
 class Status:
@@ -86,6 +90,9 @@ class Communicator:
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
         self.board = self._open_board(lanes)
+        memory = self.transport.offers(SharedMemory)
+        self.windows = Registry(memory, self.group, rank, name) if self.board is not None and memory is not None \
+            and memory.reaches(self.group) else None  # registered buffers (empty()), where every rank maps them
         self._owns_transport = owns_transport
         self._seq = itertools.count(1)
         self._children = itertools.count()
@@ -176,7 +183,8 @@ class Communicator:
         seq = next(self._seq)
         return Channel(transport=self.transport, group=self.group, rank=self.rank, comm_id=self.comm_id,
                        seq=seq, timeout=self.timeout if timeout is None else timeout,
-                       what=CallName(collective, seq, self.name, self.rank, self.size), board=self.board)
+                       what=CallName(collective, seq, self.name, self.rank, self.size), board=self.board,
+                       windows=self.windows)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:
@@ -222,8 +230,49 @@ class Communicator:
         return (self.board.slot_bytes, self.board.stage_bytes) if self.board is not None else (0, 0)
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
-        self._chosen = self.selector.function(collective, nbytes, self.topology, algo)  # for the recorder
-        return self._chosen
+        fn = self.selector.function(collective, nbytes, self.topology, algo)
+        if algo is None and collective in _REGISTERED and self.windows is not None and self.windows.used \
+                and nbytes > self.board.slot_bytes:
+            # this communicator has registered buffers (every rank alike: allocation is collective): the
+            # call asks every rank where its buffers are and reads them in place if all are registered
+            fn = functools.partial(getattr(symmetric, collective), fallback=fn)
+            fn.accepts_src = True  # type: ignore[attr-defined]
+        self._chosen = fn  # for the recorder
+        return fn
+
+    # -- registered buffers -----------------------------------------------------------------------
+    def empty(self, shape: Union[int, Sequence[int]], dtype: Any = np.float32) -> np.ndarray:
+        """A registered buffer (collective: every rank, same shape and dtype, same order): an array
+        in memory that every rank of this host maps, so that allreduce, allgather, reduce_scatter and
+        broadcast larger than a board slot read the peers' buffers in place when every rank passes
+        one (pycoll/windows.py). torch.from_numpy(buf) is a tensor on the same memory. It lives while
+        referenced; free(buf) unregisters it earlier. On a communicator whose ranks do not all share
+        this host's memory: an ordinary page-aligned array, with no communication."""
+        self._check_open("empty")
+        dt = np.dtype(dtype)
+        dtype_code(dt)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"rank {self.rank}: empty shape={shape} has a negative dimension")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if self.windows is None:
+            raw = np.empty(nbytes + 4096, np.uint8)
+            at = -raw.ctypes.data % 4096
+            return raw[at:at + nbytes].view(dt).reshape(shape)
+        return self.windows.allocate(nbytes, self.allgather).view(dt).reshape(shape)
+
+    def zeros(self, shape: Union[int, Sequence[int]], dtype: Any = np.float32) -> np.ndarray:
+        """empty(), filled with zeros (collective as empty())."""
+        buf = self.empty(shape, dtype)
+        buf.view(np.uint8)[...] = 0
+        return buf
+
+    def free(self, buf: Any) -> None:
+        """Unregister the registered buffer `buf` lies in (local: from now on calls on it run the
+        usual algorithms; its memory lives while referenced). ValueError if it is not one."""
+        if self.windows is None:
+            raise ValueError(f"rank {self.rank}: {self.name} has no registered buffers to free")
+        self.windows.free(as_array(buf, "free buf", writable=False))
 
     # -- validation -------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
@@ -733,6 +782,8 @@ class Communicator:
         self._closed = True
         if self._worker is not None:
             self._worker.close()
+        if self.windows is not None:
+            self.windows.close()
         if self._p2p_worker is not None:
             self._p2p_worker.close()
         if self._owns_transport:

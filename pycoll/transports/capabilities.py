@@ -6,8 +6,9 @@ collective, op or root) is the algorithm layer's business and travels as an opaq
 """
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Dict, List, Sequence
+from typing import Any, ContextManager, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -89,3 +90,27 @@ class MpiCommunicators(Capability, ABC):
     def serialized(self) -> ContextManager[Any]:
         """The context any other MPI call of this process must run in (the transport's lock, unless
         MPI provides MPI_THREAD_MULTIPLE)."""
+
+
+class SharedMemory(Capability, ABC):
+    """Memory a rank allocates that its same-host peers map as well (NCCL's window registration,
+    torch's SymmetricMemory): the rank `allocate`s it and gets a handle, the peers `attach` by that
+    handle, then the owner `seal`s it (closes what they found it by). Nothing has a name in the file
+    system, so nothing outlives the processes that map it, kill -9 included. The agreement (who
+    allocates what, when everyone has attached) is the layers above's business."""
+
+    @abstractmethod
+    def reaches(self, members: Sequence[int]) -> bool:
+        """True if every one of `members` (global ranks) can map this rank's memory and it theirs."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> Tuple[mmap.mmap, int]:
+        """`nbytes` of zeroed shared memory, all of it allocated now (mapped here), and its handle."""
+
+    @abstractmethod
+    def attach(self, owner: int, handle: int, nbytes: int) -> mmap.mmap:
+        """Map the `nbytes` that rank `owner` allocated under `handle` (before it sealed them)."""
+
+    @abstractmethod
+    def seal(self, handle: int) -> None:
+        """Every peer has attached the memory of `handle`: close what they found it by."""

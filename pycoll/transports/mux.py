@@ -9,7 +9,7 @@ from typing import Any, ContextManager, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from .base import ANY, MsgKey, Request, Sink, Transport
-from .capabilities import SharedBoard, SinkReceive, Striping
+from .capabilities import SharedBoard, SharedMemory, SinkReceive, Striping
 from .matching import Match, Matcher
 from .shm import ShmTransport
 from .tcp import TcpTransport
@@ -37,8 +37,9 @@ class AutoTransport(Transport):
         parts = [t for t in (self._shm, self._tcp) if t is not None]
         if all(t.offers(SinkReceive) for t in parts):
             self.capabilities[SinkReceive] = SinkReceive()
-        if self._shm is not None:  # shm's boards reach exactly the ranks routed to shm
+        if self._shm is not None:  # shm's boards and memory reach exactly the ranks routed to shm
             self.capabilities[SharedBoard] = self._shm.capabilities[SharedBoard]
+            self.capabilities[SharedMemory] = self._shm.capabilities[SharedMemory]
 
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -54,8 +54,9 @@ from .base import Request, Transport
 from .request import ANY
 from .liveness import PidWatch
 from .matching import Match, Matcher
-from .capabilities import SharedBoard, SinkReceive
+from .capabilities import SharedBoard, SharedMemory, SinkReceive
 from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
+from .shm_window import ShmWindows
 
 SHM_DIR = "/dev/shm"
 _MIN_RING, _MAX_RING = 64 << 10, 16 << 20
@@ -190,7 +191,8 @@ class ShmTransport(Transport):
         self._bell: Optional[socket.socket] = None
         self._poll = select.poll()
         self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
-        self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self)})
+        self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self),
+                                  SharedMemory: ShmWindows(rank, self._pid_of)})
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -321,6 +323,11 @@ class ShmTransport(Transport):
                 self._claim(inb, req)
             elif not req.done and p is not None:
                 p.expecting += 1
+
+    def _pid_of(self, rank: int) -> Optional[int]:
+        """The pid of local rank `rank` (from its segment), None if it is not connected here."""
+        p = self._peers[rank]
+        return None if p is None else int(p.flags[_PID])
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]
