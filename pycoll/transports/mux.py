@@ -15,6 +15,7 @@ from .shm import ShmTransport
 from .tcp import TcpTransport
 
 _SLICE = 1e-3  # seconds given to one sub-transport before the other gets a turn
+_TCP_TURN = 5e-3  # while only shm is awaited, tcp still gets a non-blocking turn this often
 
 
 class AutoTransport(Transport):
@@ -65,16 +66,25 @@ class AutoTransport(Transport):
         return self._route[peer].irecv(view, peer, key, dtype, sink)
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
-        """One owner: delegate. Otherwise alternate short blocking slices between tcp and shm (shm
-        also gets a sweep while only tcp is awaited, so its peers' rings keep draining)."""
+        """One owner: delegate. Otherwise alternate short blocking slices between tcp and shm. Each
+        part also gets a non-blocking turn while only the other is awaited: shm so its peers' rings
+        keep draining, tcp so bulk sends to other hosts keep flowing (a rank waiting on its host
+        would otherwise stall a remote rank that the host waits on)."""
         shm, tcp = self._shm, self._tcp
         if shm is None or tcp is None:
             return (shm or tcp).wait_for(reqs, timeout)
         on_tcp = [r for r in reqs if self._route[r.peer] is tcp]
         on_shm = [r for r in reqs if self._route[r.peer] is shm]
-        if not on_tcp:
-            return shm.wait_for(on_shm, timeout)
         deadline = time.monotonic() + timeout
+        if not on_tcp:
+            while True:
+                if shm.wait_for(on_shm, min(_TCP_TURN, max(0.0, deadline - time.monotonic()))):
+                    return True
+                tcp.progress()
+                if len(shm.matcher.revoked) != len(tcp.matcher.revoked):
+                    self._share_revocations()
+                if time.monotonic() >= deadline:
+                    return False
         while True:
             step = min(_SLICE, max(0.0, deadline - time.monotonic()))
             if tcp.wait_for(on_tcp, step):

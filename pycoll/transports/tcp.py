@@ -337,6 +337,11 @@ class TcpTransport(Transport):
                     self._progress(pending, 0.0)  # notice a peer that died with our data unsent
                     self.matcher.fail_pending(pending)
 
+    def progress(self) -> None:
+        """One non-blocking turn of the io loop (flush queued bulk writes, read what arrived, answer
+        credit), unless another thread drives it: lets a caller blocked elsewhere keep this wire moving."""
+        self._progress([], 0.0)
+
     @staticmethod
     def _send_finished(req: Request) -> bool:
         if not req.is_recv and req.handle is not None and req.handle.done:
