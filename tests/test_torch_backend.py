@@ -273,6 +273,38 @@ def test_async_work_and_future():
         assert run_ranks(_async_work, 2, 2, os.path.join(d, "store"), init=False, timeout=60) == [True, True]
 
 
+def _sparse(rank, size, path):
+    """Sparse COO allreduce on pycoll against the same on gloo: values of several dtypes, a dense
+    dimension, ranks with different nonzeros (one with none); MAX is refused through wait()."""
+    dist, pg = _join(rank, size, path)
+    same = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        nnz = 0 if rank == 1 else rank + 2
+        idx = torch.stack([torch.arange(nnz) % 5, torch.full((nnz,), rank % 3)])
+        vals = _data(rank, (nnz, 4), str(dtype).split(".")[1], salt=nnz)
+        got = torch.sparse_coo_tensor(idx, vals, (5, 3, 4), check_invariants=True)
+        want = got.clone()
+        dist.all_reduce(got, group=pg)
+        dist.all_reduce(want)  # the gloo world
+        same.append(torch.equal(got.to_dense(), want.to_dense()) and got.is_coalesced())
+    try:
+        dist.all_reduce(torch.sparse_coo_tensor(idx, vals, (5, 3, 4), check_invariants=True), op=dist.ReduceOp.MAX, group=pg)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return same, refused
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size", [2, 3])
+def test_sparse_allreduce_matches_gloo(size):
+    with tempfile.TemporaryDirectory() as d:
+        got = run_ranks(_sparse, size, size, os.path.join(d, "store"), init=False, timeout=80)
+    for same, refused in got:
+        assert same == [True] * 3
+        assert "sparse allreduce takes" in refused and "op MAX" in refused, refused
+
+
 def _mismatch(rank, size, path):
     import datetime
     dist, _ = _join(rank, size, path)

@@ -31,6 +31,7 @@ CI_TESTS = [
     "test_batch_isend_irecv_gloo_tags", "test_all_gather_object_default_pg", "test_get_future",
     "test_get_rank_size_group", "test_destroy_group", "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_grads_same_across_ranks_with_no_sync", "test_DistributedDataParallelCPU",
+    "test_sparse_all_reduce_sum",
 ]
 
 # Tests that pass on gloo here but not on pycoll, with the reason (measured: 2 ranks, torch 2.13).
@@ -40,8 +41,6 @@ EXCLUDED: dict = {
     "test_monitored_barrier_gloo": _GLOO_ONLY_API,
     "test_monitored_barrier_gloo_rank_0_timeout": _GLOO_ONLY_API,
     "test_monitored_barrier_gloo_subgroup": _GLOO_ONLY_API,
-    "test_sparse_all_reduce_sum": "pycoll has no sparse allreduce yet (the backend takes dense tensors only; "
-                                  "gloo gathers indices and values and sums them)",
 }
 
 

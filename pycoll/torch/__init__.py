@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import datetime
+import math
 import os
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
@@ -223,6 +224,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         op = self._op(opts) if opts is not None else ReduceOp.SUM
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
             return self._blocking(tensors, op, opts)  # once, so run here: no hand-off to the worker thread
         works, posts = [], []
@@ -245,6 +248,37 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         except BaseException as e:  # wait() re-raises it, as for an async call
             error = e
         return PycollWork([], tensors, None, error)
+
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp) -> PycollWork:
+        """SUM of sparse COO tensors, as gloo does it: every rank gathers all ranks' (indices, values)
+        and sums them; each tensor becomes the coalesced sum in place. A finished Work (three calls
+        per tensor, the later sized by the first)."""
+        error = None
+        try:
+            if op != ReduceOp.SUM or any(t.layout != torch.sparse_coo for t in tensors):
+                raise ValueError(f"pycoll backend, rank {self.comm.rank}: sparse allreduce takes sparse COO "
+                                 f"tensors only and op SUM only (got op {op.name} on layouts "
+                                 f"{[str(t.layout) for t in tensors]})")
+            for t in tensors:
+                t.copy_(self._sparse_sum(t.coalesce()))
+        except BaseException as e:  # wait() re-raises it, as for an async call
+            error = e
+        return PycollWork([], tensors, None, error)
+
+    def _sparse_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of coalesced sparse `t`: allgather each rank's nnz, then its indices
+        (nnz x sparse_dim, row-major) and values (nnz x dense numel), and coalesce their union."""
+        comm = self.comm
+        idx = t.indices().t().contiguous()
+        vals = t.values().contiguous()
+        row = math.prod(vals.shape[1:])
+        nnz = comm.allgather(torch.tensor([t._nnz()], dtype=torch.int64)).reshape(-1).tolist()
+        all_idx = torch.empty(sum(nnz) * t.sparse_dim(), dtype=torch.int64)
+        all_vals = torch.empty(sum(nnz) * row, dtype=vals.dtype)
+        comm.allgatherv(idx.reshape(-1), [n * t.sparse_dim() for n in nnz], out=all_idx)
+        comm.allgatherv(vals.reshape(-1), [n * row for n in nnz], out=all_vals)
+        return torch.sparse_coo_tensor(all_idx.view(-1, t.sparse_dim()).t(),
+                                       all_vals.view(sum(nnz), *vals.shape[1:]), t.shape).coalesce()
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         return self.allreduce(tensors, opts)
