@@ -104,13 +104,13 @@ def test_single_host_choices_are_sensible():
 
 
 def test_twoshot_only_with_a_stage_on_one_host_and_counted_as_one_copy_in_one_out():
-    """Two-shot costs two board posts per stage block, nbytes in and out per rank (one message's worth
+    """Two-shot costs one board post per stage block and one more, nbytes in and out per rank (one message's worth
     of copies) and (n-1)/n of nbytes reduced; without a stage or across hosts it is never chosen."""
     params = Params(shm=Link(1e-5, 1 / 1e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 2e9)
     stage = 512 << 10
     one_host, two_hosts = Topology.from_hosts([0] * 4, cores=8), interleaved(2, 2)
     t = Tuner(params, 16 << 10, stage)
-    want = 2 * 32 * tuner.BOARD_POST * 1e-5 + 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9
+    want = (32 + 1) * tuner.BOARD_POST * 1e-5 + 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9
     assert math.isclose(t.predict("allreduce", "twoshot", 16 * MIB, one_host), want)
     assert t.predict("allreduce", "twoshot", 16 * MIB, two_hosts) == math.inf
     assert Tuner(params, 16 << 10, 0).predict("allreduce", "twoshot", 16 * MIB, one_host) == math.inf

@@ -10,7 +10,7 @@ rank's buffer: block by block it reduces the share (its own input first, then th
 order) into its own buffer and, while that block is in cache, writes it into every peer's buffer.
 No other rank touches share r anywhere, so no synchronisation is needed between the two halves:
 per rank the whole input is read once (S) and S written, with two posts per call, where two-shot
-copies everything in and out again and posts twice per 512 KiB. Each share is reduced once, so every
+copies everything in and out again and posts once per 2 MiB block. Each share is reduced once, so every
 rank ends with the same bits.
 """
 from __future__ import annotations
