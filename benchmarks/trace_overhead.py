@@ -61,7 +61,7 @@ def main() -> None:
     assert off._recorder is None and on._recorder is not None
     results: Dict[int, Dict[str, List[float]]] = {}
     for nbytes, calls in ((8, args.calls8), (1 << 20, args.calls1m)):
-        x = np.ones(nbytes // 4, np.float32)
+        x = np.zeros(nbytes // 4, np.float32)  # (ones summed in place overflow to inf)
         for comm in (off, on):  # warm both: connections, boards, the algorithm's buffers
             _batch(comm, x, max(10, calls // 4))
         runs: Dict[str, List[float]] = {"off": [], "on": []}
