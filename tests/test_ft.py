@@ -58,42 +58,48 @@ def _step(comm, x):
 
 # -- revoke ------------------------------------------------------------------------------------------
 def _revoke_while_blocked(comm):
+    """Two rounds: a small allreduce (on shm, the board's wait) and a large one (the rings' wait)."""
     import pycoll
-    x = np.ones(8, np.float32)
-    comm.barrier()  # every rank is up (a slow start must not count as revocation latency)
-    if comm.rank == 0:  # the others block in an allreduce rank 0 never joins
-        time.sleep(0.5)
-        when = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes of one host
-        comm.revoke()
-        comm.revoke()  # idempotent
-    else:
-        entered = time.monotonic()
-        with pytest.raises(pycoll.RevokedError) as info:
-            comm.allreduce(x)
-        when = (time.monotonic(), entered)
-        assert not isinstance(info.value, pycoll.PeerError)
-        assert "revoked by rank 0" in str(info.value), info.value
-    with pytest.raises(pycoll.RevokedError):  # later calls too, until the agreement
-        comm.barrier()
-    ok, dead = comm.agree(comm.rank != 0)
-    y = np.full(8, comm.rank + 1, np.float32)
-    comm.allreduce(y)  # restored: the step can simply run again
-    return when, ok, dead, float(y[0])
+    rounds = []
+    for count in (8, 1 << 18):
+        x = np.ones(count, np.float32)
+        comm.allreduce(x)  # a first call's one-time work (imports, set-up) is not revocation latency
+        comm.barrier()  # every rank is up (a slow start must not count as revocation latency)
+        if comm.rank == 0:  # the others block in an allreduce rank 0 never joins
+            time.sleep(0.5)
+            when = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes of one host
+            comm.revoke()
+            comm.revoke()  # idempotent
+        else:
+            entered = time.monotonic()
+            with pytest.raises(pycoll.RevokedError) as info:
+                comm.allreduce(x)
+            when = (time.monotonic(), entered)
+            assert not isinstance(info.value, pycoll.PeerError)
+            assert "revoked by rank 0" in str(info.value), info.value
+        with pytest.raises(pycoll.RevokedError):  # later calls too, until the agreement
+            comm.barrier()
+        ok, dead = comm.agree(comm.rank != 0)
+        y = np.full(8, comm.rank + 1, np.float32)
+        comm.allreduce(y)  # restored: the step can simply run again
+        rounds.append((when, ok, dead, float(y[0])))
+    return rounds
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_revoke_reaches_every_member_within_1s_then_agree_restores(transport):
     results = run_ranks(_revoke_while_blocked, 4, env=_env(transport))
     n = len(results)
-    revoked_at = results[0][0]
-    for rank, (when, ok, dead, total) in enumerate(results):
-        assert ok is False and dead == [] and total == n * (n + 1) / 2
-        if not rank:
-            continue
-        raised_at, entered = when
-        took = raised_at - max(revoked_at, entered)  # a rank late into the call raises at its start
-        if rank:
-            print(f"{transport}: rank {rank} raised RevokedError {took:.3f} s after the revoke")
+    for i, what in enumerate(("8 floats", "1 MiB")):
+        revoked_at = results[0][i][0]
+        for rank, rounds in enumerate(results):
+            when, ok, dead, total = rounds[i]
+            assert ok is False and dead == [] and total == n * (n + 1) / 2
+            if not rank:
+                continue
+            raised_at, entered = when
+            took = raised_at - max(revoked_at, entered)  # a rank late into the call raises at its start
+            print(f"{transport}, {what}: rank {rank} raised RevokedError {took:.3f} s after the revoke")
             assert took < 1.0
 
 
