@@ -46,8 +46,8 @@ What each piece rests on:
   and goes on; the others raise PartitionError. Within one host there are no partitions, so a
   single-host communicator may shrink down to one rank.
 
-Transports: tcp, shm and auto (both parts); mpi and verbs raise PycollError (Open MPI 4.1 aborts the
-job on a dead rank).
+Transports: tcp, shm and auto (both parts); mpi and verbs raise PycollError saying why not (Open MPI
+4.1 aborts the job on a dead rank; verbs does not recover a failed queue pair).
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def _require(comm: "Communicator", call: str) -> Transport:
     transport = comm.transport
     if not transport.resilient:
         raise PycollError(f"rank {comm.rank}: {call} on {comm.name}: the {transport.name} transport cannot survive a "
-                          "dead rank (under Open MPI 4.1 a dead rank aborts the whole job); use PYCOLL_TRANSPORT=tcp, "
-                          "shm or auto for revoke/agree/shrink")
+                          f"dead rank ({transport.fragile_because}); use PYCOLL_TRANSPORT=tcp, shm or auto for "
+                          "revoke/agree/shrink")
     if comm.closed:
         raise RuntimeError(f"rank {comm.rank}: {call} on {comm.name} after close()")
     return transport

@@ -45,3 +45,8 @@ def control_id(comm_id: int) -> int:
 def notice_id(comm_id: int) -> int:
     """The id a revocation notice of communicator `comm_id` travels with."""
     return (comm_id & ROOT) | NOTICE
+
+
+def is_notice(comm_id: int) -> bool:
+    """Whether a message with id `comm_id` is a revocation notice (acted on as it arrives)."""
+    return comm_id & LOW == NOTICE

@@ -224,6 +224,48 @@ def test_rank_killed_mid_transfer_fails_the_others_fast(n):
         assert elapsed < 60, f"rank {rank} took {elapsed:.1f} s to notice"
 
 
+# -- fault tolerance: refused, saying why ------------------------------------------------------
+def _verbs_comm():
+    """A stand-in communicator over a VerbsTransport object that was never opened (no pyverbs needed):
+    what pycoll.ft looks at before doing anything."""
+    from types import SimpleNamespace
+    from pycoll.transports.verbs import VerbsTransport
+    return SimpleNamespace(transport=VerbsTransport.__new__(VerbsTransport), rank=1, name="world", closed=False)
+
+
+@pytest.mark.parametrize("call", ["revoke", "agree", "shrink"])
+def test_verbs_refuses_revoke_agree_shrink_with_the_reason(call):
+    import pycoll
+    from pycoll import ft
+    comm = _verbs_comm()
+    with pytest.raises(pycoll.PycollError) as info:
+        ft.agree(comm, True) if call == "agree" else getattr(ft, call)(comm)
+    assert str(info.value).startswith(f"rank 1: {call} on world: the verbs transport cannot survive a dead rank "
+                                      "(a dead peer's queue pair goes to the error state"), info.value
+    assert "use PYCOLL_TRANSPORT=tcp, shm or auto" in str(info.value)
+
+
+def _ft_on_verbs(comm):
+    import pycoll
+    refused = []
+    for call in (comm.revoke, lambda: comm.agree(True), comm.shrink):
+        try:
+            call()
+        except pycoll.PycollError as e:
+            refused.append(str(e))
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    return refused, float(x[0])
+
+
+@needs_device
+@pytest.mark.timeout(120)
+def test_verbs_communicator_refuses_fault_tolerance_and_still_works():
+    for refused, total in run_ranks(_ft_on_verbs, 2, env=VERBS, timeout=100):
+        assert len(refused) == 3 and all("verbs transport cannot survive a dead rank" in e for e in refused), refused
+        assert total == 2.0
+
+
 # -- the VM itself (opt-in) ---------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not config.get("PYCOLL_RDMA_VM"),

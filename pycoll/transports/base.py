@@ -34,6 +34,7 @@ class Transport(ABC):
 
     name = "base"
     resilient = False  # survives a dead peer (revoke, settle, restore: pycoll/ft.py); tcp, shm and auto do
+    fragile_because = "it implements no revocation or agreement"  # why not, for ft.py's error
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size

@@ -402,6 +402,20 @@ class BulkLinks:
             item._finish(err)
         self._fail_out(peer, err)
 
+    def forget(self, peer: int, why: str) -> None:
+        """The peer is gone for good (agreed dead): fail what is queued to and from it and close its
+        streams; a later send to it fails at once (io lock held, its streams unregistered from polls)."""
+        if peer not in self.socks:
+            return
+        self.fail(peer, why)
+        for index, sock in enumerate(self.socks.pop(peer)):
+            sock.close()
+            self._pieces.pop((peer, index), None)
+        with self._out_locks[peer]:
+            self._out[peer], self._in[peer] = [], []
+        self.stripes.pop(peer, None)
+        self._next.pop(peer, None)
+
     def _broke(self, peer: int, why: str) -> None:
         self.closed_by.setdefault(peer, why)
         self._on_broken(peer, self.closed_by[peer])

@@ -126,6 +126,16 @@ class Credits:
         self._ask_at[peer] = math.inf
         return reqs
 
+    def forget(self, peer: int) -> List[Any]:
+        """The peer is gone for good (agreed dead): drop its held sends (their requests, to fail) and
+        every count kept for it both ways, so nothing is asked of it, owed to it or shown for it."""
+        reqs = self.drop(peer)
+        self._peers.discard(peer)
+        self._avail[peer] = self.window
+        with self._lock:
+            self._owed[peer], self._starving[peer] = 0, False
+        return reqs
+
     # -- receiver -----------------------------------------------------------------------------------
     def consumed(self, peer: int, nbytes: int) -> int:
         """A message of `nbytes` from `peer` left our buffers; the credit to return to it now (0: none yet)."""

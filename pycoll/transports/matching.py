@@ -27,7 +27,7 @@ from collections import deque
 from typing import Callable, Deque, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from ..errors import PeerError, PycollError, RevokedError
-from ..ids import LOW, NOTICE, ROOT
+from ..ids import LOW, NOTICE, ROOT, is_notice
 from .request import ANY, MsgKey, Request
 
 Match = Tuple[int, int, int, int]  # (peer, comm_id, seq, tag)
@@ -146,7 +146,7 @@ class Matcher(Generic[A]):
     def stash(self, match: Match, arrival: A) -> bool:
         """Keep an arrival nobody has asked for yet, behind any earlier one with the same key; False
         if it was a revocation notice, acted on and not kept (the transport counts it consumed)."""
-        if match[1] & LOW == NOTICE:
+        if is_notice(match[1]):
             root = match[1] & ROOT
             self.revoke(root, RevokedError(f"rank {self.rank}: communicator {root:#x} was revoked by rank "
                                            f"{match[0]} (comm.revoke()); agree() and shrink() to go on", match[0]))

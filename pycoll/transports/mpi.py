@@ -94,6 +94,9 @@ class MpiTransport(Transport):
     """Tagged point-to-point over MPI Isend/Irecv on a Dup of MPI.COMM_WORLD (ranks are world ranks)."""
 
     name = "mpi"
+    fragile_because = ("MPI never reports a dead rank and Open MPI 4.1 has no ULFM: mpirun aborts the whole job "
+                       "when a rank dies, or with orte_abort_on_non_zero_status 0 leaves the survivors waiting "
+                       "forever")
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:

@@ -5,7 +5,7 @@ A single-host job is pure shm and never opens a socket; a rank alone on its host
 from __future__ import annotations
 
 import time
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Tuple
 
 from ..bootstrap.store import Store
 from .base import ANY, MsgKey, Request, Sink, Transport
@@ -103,6 +103,14 @@ class AutoTransport(Transport):
     def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
         """Both parts' matchers: a revocation or an agreed death applies to every peer."""
         return [d for t in (self._shm, self._tcp) if t is not None for d in t._fault_domains()]
+
+    def settle(self, dead: Iterable[int]) -> None:
+        """Each part settles every agreed death (both matchers refuse them) and lets go of what it
+        held for them (tcp: their connections)."""
+        dead = list(dead)
+        for t in (self._shm, self._tcp):
+            if t is not None:
+                t.settle(dead)
 
     def _share_revocations(self) -> None:
         """A notice reaches one part (the revoker's route to us): revoke in the other part too, so

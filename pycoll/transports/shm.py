@@ -8,9 +8,11 @@ hands it in place to the receive's sink (the ring algorithms reduce straight out
 memory), so a message costs at most one copy each way. A message nobody has asked for yet waits
 in the ring, and is copied out as unexpected only when it is in the way or the receiver is about
 to sleep. Messages larger than the ring stream through it under flow control. A waiter sweeps the
-rings, yielding the CPU between sweeps, and after a bounded number of fruitless sweeps sleeps on a
-unix datagram socket (its doorbell) that peers poke after publishing data or freeing space it
-waits for. Segment names are random per job, travel through the authenticated store and carry
+rings, yielding the CPU between sweeps, and after _SPIN seconds of fruitless sweeps (a time, not a
+count: on a crowded machine each yield can give the CPU away for milliseconds) sleeps on a unix
+datagram socket (its doorbell) that peers poke after publishing data or freeing space it waits for.
+Every sweep acts on a revocation notice at the head of a ring, so a revoke reaches a spinning rank
+at once, and a sleeping one when its doorbell rings. Segment names are random per job, travel through the authenticated store and carry
 token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
 /dev/shm after close() or kill -9. Between the header and the rings each segment has a board
 (shm_board.py): lanes where single-host communicators run small collectives without messages, and
@@ -49,6 +51,7 @@ from typing import ContextManager, Deque, Dict, List, Optional, Sequence, Tuple
 from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
+from ..ids import is_notice
 from . import wire
 from .base import Request, Transport
 from .request import ANY
@@ -64,7 +67,7 @@ _BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
 _SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
 _PIECE = 1 << 20      # bytes copied between counter updates, so a polling peer can start early
-_SPIN = 64            # fruitless sweeps, each followed by a yield of the CPU, before sleeping
+_SPIN = 1e-3          # seconds of fruitless sweeps, each followed by a yield of the CPU, before sleeping
 _SLICE = 0.1          # longest sleep before re-checking deadlines and whether peers are alive
 _LINGER = 5.0         # close(): how long queued sends may take to drain
 _HELLO_AT = 256       # byte offset of the token proof in the segment header and in each control block
@@ -373,17 +376,17 @@ class ShmTransport(Transport):
                 self._cond.notify_all()
 
     def _drive(self, reqs: Sequence[Request], deadline: float) -> bool:
-        """Sweep the rings until `reqs` are done: after _SPIN fruitless sweeps, each followed by a
-        yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
-        idle = 0
+        """Sweep the rings until `reqs` are done: after _SPIN s of fruitless sweeps, each followed by
+        a yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
         faults = self.matcher.faults
         look_at = time.monotonic() + _SLICE
+        spin_until = 0.0  # when a fruitless spin phase ends (set on its first fruitless sweep)
         moved = self._sweep()
         while True:
             if moved:
                 if self._followers:
                     self._cond.notify_all()
-                idle = 0
+                spin_until = 0.0
             if all(r.done for r in reqs):
                 return True
             if self.matcher.faults != faults:  # a death or revocation: fail what it stops
@@ -398,8 +401,9 @@ class ShmTransport(Transport):
                 look_at = now + _SLICE
                 for peer in self._pids.exited():
                     self._exited(peer)
-            if idle < _SPIN:
-                idle += 1
+            if not spin_until:
+                spin_until = now + _SPIN
+            if now < spin_until:
                 self._lock.release()  # let other threads' isend/irecv, and other processes, run
                 os.sched_yield()
                 self._lock.acquire()
@@ -637,7 +641,7 @@ class ShmTransport(Transport):
         off = rpos & (ring - 1)
         match, nbytes, dtype = p.held or self._header(p, off)  # read only below a head loaded first (_pull)
         first = self.matcher.waiting(match)
-        if first is None and not (drain or p.expecting or self.matcher.wild):
+        if first is None and not (drain or p.expecting or self.matcher.wild or is_notice(match[1])):
             p.held = match, nbytes, dtype
             return None
         skip, body = _layout(off, nbytes, ring)

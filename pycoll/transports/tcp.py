@@ -18,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import zmq
@@ -157,6 +157,7 @@ class TcpTransport(Transport):
         self._flow = Credits([p for p in self.peers if p != rank], size, window) if window > 0 else None
         self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
         self._said_bye: set = set()                       # peers that closed normally
+        self._forgotten: Set[int] = set()                 # agreed dead: connections closed, messages dropped
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -441,6 +442,8 @@ class TcpTransport(Transport):
             peer = self._ident_rank.get(ident)
             if peer is None:
                 self._reject(ident, "data from a connection that never authenticated")
+            elif peer in self._forgotten:  # agreed dead, maybe alive behind a partition: not listened to
+                self._skip_rest()
             elif header.kind == wire.KIND_BYE:
                 self._skip_rest()
                 self._said_bye.add(peer)
@@ -595,6 +598,41 @@ class TcpTransport(Transport):
 
     def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
         return [(self._match, self.matcher)]
+
+    def settle(self, dead: Iterable[int]) -> None:
+        """Also close the agreed-dead peers' connections (zmq, its monitor, raw streams) and drop their
+        flow-control state: nothing of theirs is kept, retried (zmq reconnects) or listened to."""
+        dead = list(dead)
+        super().settle(dead)
+        fresh = [p for p in dead if p != self.rank and p in self.peers and p not in self._forgotten]
+        if not fresh:
+            return
+        with self._io:  # the poller and the zmq sockets are the driver's: not while it polls them
+            for peer in fresh:
+                self._forget(peer)
+
+    def _forget(self, peer: int) -> None:
+        """Let go of agreed-dead `peer` for good (io lock held)."""
+        why = "the survivors agreed that it died"
+        self._forgotten.add(peer)
+        self._lost_at.pop(peer, None)
+        self.dead.setdefault(peer, why)
+        with self._send_locks[peer]:
+            sock, self._dealers[peer] = self._dealers[peer], None
+            if sock is not None:  # its monitor is stopped before it is closed (as in _shutdown)
+                sock.disable_monitor()
+                sock.close(linger=0)
+            held = self._flow.forget(peer) if self._flow is not None else []
+        for monitor in [m for m, p in self._peer_monitors.items() if p == peer]:
+            self._watch.unregister(monitor)
+            del self._peer_monitors[monitor]
+            monitor.close(linger=0)
+        for req in held:
+            fail(req, PeerError(f"rank {self.rank}: send to rank {peer} could not finish: {why}", peer))
+        for lane in [lane for lane in self._bulk_polled if lane[0] == peer]:
+            self._poller.unregister(self._bulk.socks[peer][lane[1]])
+            del self._bulk_polled[lane]
+        self._bulk.forget(peer, why)
 
     def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
         """Purged arrivals were never consumed: return their credit to their senders."""

@@ -116,6 +116,8 @@ class VerbsTransport(Transport):
     """Tagged point-to-point over RDMA (InfiniBand or RoCE, soft-RoCE included) with pyverbs."""
 
     name = "verbs"
+    fragile_because = ("a dead peer's queue pair goes to the error state and this transport neither revokes, "
+                       "settles nor reconnects queue pairs")
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
                  hosts: Optional[List[str]] = None) -> None:
