@@ -1,5 +1,6 @@
 """`pycoll predict`: how long one training step takes on H hosts of L ranks, and why, from a workload
-recorded once (`python -m pycoll.trainer ... --report-json FILE`).
+recorded once (`python -m pycoll.trainer ... --report-json FILE`, or a torch DDP model through
+pycoll/predict/torch_record.py).
 
     pycoll predict --workload rec.json --hosts 4 --ppn 2 --link-gbit 1 --link-latency-us 50
     pycoll predict --workload rec.json --hosts 8 --ppn 4 --link-gbit 10 --sweep --sweep-gbit 1,10,100
@@ -28,7 +29,8 @@ from ..tuner import Link
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pycoll predict", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, metavar="FILE", help="workload record (trainer --report-json)")
+    ap.add_argument("--workload", required=True, metavar="FILE",
+                    help="workload record (trainer --report-json, or a torch DDP model's: pycoll/predict/torch_record.py)")
     ap.add_argument("--hosts", type=int, default=1, help="hosts of the target cluster (default 1)")
     ap.add_argument("--ppn", type=int, default=1, help="ranks per host (default 1)")
     ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")

@@ -1,6 +1,6 @@
 """The workload record: what `pycoll predict` needs to know about one training job, written by
 `python -m pycoll.trainer --report-json FILE` (pycoll/trainer/workload.py) or by a torch DDP model
-(pycoll/torch/workload.py), and read back here.
+(pycoll/predict/torch_record.py), and read back here.
 
 A record holds, in JSON (times in milliseconds, sizes in bytes):
 
