@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from netns_cluster import Cluster
+from netns_cluster import Cluster, ClusterError
 
 from pycoll import config
 
@@ -79,3 +79,42 @@ def table(result: Dict[str, Any], label: Dict[str, str]) -> str:
 def scratch() -> str:
     """A fresh directory for records and the tuner cache."""
     return tempfile.mkdtemp(prefix="pycoll-predict-")
+
+
+def add_racks(cluster: Cluster, second: Sequence[int], uplink_mbit: float) -> None:
+    """Put hosts `second` of a built Cluster behind a rack switch of their own whose uplink to the
+    cluster's bridge (the first rack's switch) runs at `uplink_mbit` both ways (tbf, as the hosts'
+    links): every flow between the racks shares that one link. The second switch is a bridge in a
+    namespace of its own (named like the hosts', so Cluster.close and the sweep of dead runs delete
+    it, and the uplink's veth pair with it); the hosts' links keep their shaping."""
+    ns = cluster.namespaces[0].rsplit("-h", 1)[0] + "-rack1"
+    uplink = cluster.veths[0].rsplit("h", 1)[0] + "u"
+    _ip("netns", "add", ns)
+    cluster.namespaces.append(ns)  # close() deletes it after the hosts
+    tc_in_ns = ["ip", "netns", "exec", ns, "tc"]
+    _ip("-n", ns, "link", "add", "sw", "type", "bridge")
+    _ip("-n", ns, "link", "set", "sw", "up")
+    for h in second:  # the host's end in the root namespace moves to the rack's switch (its qdisc does not)
+        veth = cluster.veths[h]
+        _ip("link", "set", veth, "netns", ns)
+        _ip("-n", ns, "link", "set", veth, "master", "sw")
+        _ip("-n", ns, "link", "set", veth, "up")
+        if cluster.rate_mbit:
+            cluster._shape(tc_in_ns, veth)
+    _ip("link", "add", uplink, "type", "veth", "peer", "name", "uplink", "netns", ns)
+    _ip("link", "set", uplink, "master", cluster.bridge)
+    _ip("link", "set", uplink, "up")
+    _ip("-n", ns, "link", "set", "dev", "uplink", "master", "sw")
+    _ip("-n", ns, "link", "set", "dev", "uplink", "up")
+    for tc, dev in ((["tc"], uplink), (tc_in_ns, "uplink")):
+        cmd = tc + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{uplink_mbit}mbit",
+                    "burst", f"{cluster.burst_kib}kb", "latency", f"{cluster.latency_ms:g}ms"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise ClusterError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")

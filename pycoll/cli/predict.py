@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..errors import EnvError
 from ..predict.model import Prediction, Target, build_topology, placement, predict, recorded_target
 from ..predict.workload import Workload, WorkloadError, load
-from ..topology import load_topo_file
+from ..topology import load_topo_file, rack_of_rank
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
 from ..tuner import Link
 
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ppn", type=int, default=1, help="ranks per host (default 1)")
     ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")
     ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's)")
-    ap.add_argument("--topo-file", metavar="T", help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links")
+    ap.add_argument("--topo-file", metavar="T",
+                    help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links, racks and their uplinks")
     ap.add_argument("--placement", default="packed",
                     help="packed (ranks 0..L-1 on host 0, ...), scattered (rank r on host r mod H) or a JSON "
                          "file holding the host of each rank as a list")
@@ -83,8 +84,13 @@ def target_for(w: Workload, args: argparse.Namespace, hosts: int, ppn: int, gbit
     for r, over in spec.get("ranks", {}).items():
         if "cores" in over and int(r) < len(host_of):
             cores[host_of[int(r)]] = int(over["cores"])
+    racks, uplink = [""] * nhosts, {}
+    for r, h in enumerate(host_of):  # a host is in the rack of its first rank
+        if not racks[h]:
+            racks[h], gbit = rack_of_rank(spec, r)
+            uplink[racks[h]] = gbit
     single = nhosts == 1
-    return Target(build_topology(host_of, cores), params, args.batch_size or w.global_batch,
+    return Target(build_topology(host_of, cores, racks, uplink), params, args.batch_size or w.global_batch,
                   shared_cores=args.shared_cores, algo=args.algo,
                   board_bytes=(w.board_bytes or SLOT_BYTES) if single else 0,
                   stage_bytes=(w.stage_bytes or STAGE_BYTES) if single else 0)

@@ -98,10 +98,12 @@ def from_records(comm: Communicator, rec: np.ndarray, bucket_bytes: List[int], g
     topo = comm.topology
     tuner = comm.selector.tuner
     machines = [topo.ranks[m[0]].hostname for m in topo.members]
+    racks = [topo.racks[k] if k >= 0 else "" for k in topo.rack_of] if topo.racks else []
     step_ms = median((rec[:, :, STEP_END] - rec[:, :, STEP_START]).ravel() * 1e3)
     return Workload(
         source=source, global_batch=global_batch, ranks=comm.size, host_of=list(topo.host_of),
-        cores=list(topo.cores), machines=machines,
+        cores=list(topo.cores), machines=machines, racks=racks,
+        uplink_gbit=dict(zip(topo.racks, topo.uplink_gbit)),
         buckets=[Bucket(n, r if math.isfinite(r) else 1.0) for n, r in zip(bucket_bytes, ready)],
         compute=ComputePoint(global_batch / comm.size, median((fwd * 1e3).ravel().tolist()),
                              median((opt * 1e3).ravel().tolist())),
