@@ -306,10 +306,27 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + rnd.reduce * params.gamma * crowd
 
 
+def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
+    """Ranks beyond the cores of the most crowded host (0 when each rank has a core of its own)."""
+    counts = Counter(host_of)
+    return max([0.0] + [k - cores[h] for h, k in counts.items() if h < len(cores) and 0 < cores[h] < k])
+
+
 # A board post is a counter store that spinning peers see; a message adds a header, a ring, matching
 # and maybe a doorbell. Measured here (shm, 8 B allreduce): 4 ranks, a post 55-65 us, a message round
 # (recursive doubling) 105 us; 2 ranks, 9-14 us and 24-33 us. So a post costs half a message latency.
 BOARD_POST = 0.5
+# What a call costs as its caller sees it, beyond predict() (used for absolute figures, call_time(), not
+# for ranking): fitted on allreduce of 8 B - 4 MiB, 2-8 ranks on this 2-core machine
+# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic:
+# - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, the hand-off to the worker) and
+#   the wait for the last rank to arrive, paid in turn by ranks that share a core;
+# - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
+#   doorbell, and the sender must first get a core: every message waits about a scheduling turn per
+#   rank beyond the cores. (Ranking with it picked recursive doubling for 4 MiB on 3-8 ranks, measured
+#   2-3x slower than the two-shot the model picks without it, so it stays out of predict().)
+CALL_OVERHEAD = 0.25e-3
+WAKE = 0.25e-3
 
 
 def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> List[Round]:
@@ -377,6 +394,26 @@ class Tuner:
             return self._hierarchical(collective, nbytes, topo)
         return sum(round_time(r, topo.host_of, self.params, streams, topo.cores, topo.uplinks)
                    for r in self.pattern(collective, algorithm, nbytes, topo))
+
+    def call_time(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
+        """Predicted seconds of one call as its caller sees it: predict() plus what every call costs
+        beyond its messages (CALL_OVERHEAD, paid in turn by ranks that share a core)."""
+        if topo.size == 1:
+            return 0.0
+        crowd = max([1.0] + [len(m) / c for m, c in zip(topo.members, topo.cores) if c])
+        extra = excess(topo.host_of, topo.cores)
+        wakes = WAKE * extra * self.messages(collective, algorithm, nbytes, topo) if extra else 0.0
+        return self.predict(collective, algorithm, nbytes, topo) + CALL_OVERHEAD * crowd + wakes
+
+    def messages(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
+        """Message latencies one call pays back to back (board posts count BOARD_POST), phase by phase."""
+        if algorithm != "hierarchical":
+            return sum(r.msgs for r in self.pattern(collective, algorithm, nbytes, topo))
+        local = Topology.from_hosts([0] * topo.per_host, min(topo.cores))
+        cross = topo.subset([m[0] for m in topo.members])
+        inner = self.best_phase(collective, nbytes / topo.per_host, cross, topo.per_host)[0] if topo.nhosts > 1 else ""
+        return (self.messages("allgather", "ring", nbytes, local) * (2 if collective == "allreduce" else 1)
+                + (self.messages(collective, inner, nbytes / topo.per_host, cross) if inner else 0.0))
 
     def rank(self, collective: str, nbytes: float, topo: Topology, candidates: Iterable[str],
              streams: int = 1) -> List[Tuple[float, str]]:

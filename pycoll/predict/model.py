@@ -184,7 +184,8 @@ def _candidates(target: Target) -> List[str]:
 def comm_times(w: Workload, target: Target, extra: float = 0.0,
                net: bool = True) -> Tuple[List[Tuple[str, float]], float]:
     """Per bucket (algorithm, seconds): the algorithm the tuner picks on the target with its own
-    parameters (what the job's selector would run), priced with `extra` seconds more per message
+    parameters (what the job's selector would run), priced as a call (Tuner.call_time: with the
+    per-call cost and, where ranks outnumber cores, the wake-ups) with `extra` seconds more per message
     (on the net too unless not `net`); and the wait probe's (barrier's) seconds."""
     pick = Tuner(target.params, target.board_bytes, target.stage_bytes)
     price = Tuner(with_latency(target.params, extra, net), target.board_bytes, target.stage_bytes)
@@ -195,9 +196,9 @@ def comm_times(w: Workload, target: Target, extra: float = 0.0,
         if math.isinf(t):
             raise ValueError(f"the tuner has no finite price for allreduce of {b.nbytes} B with {cands} on "
                              f"{target.topo.size} ranks / {target.topo.nhosts} hosts")
-        out.append((name, price.predict("allreduce", name, b.nbytes, target.topo)))
+        out.append((name, price.call_time("allreduce", name, b.nbytes, target.topo)))
     name = pick.rank("allreduce", BARRIER_BYTES, target.topo, [a for a in MODELED["allreduce"] if a not in NAMED_ONLY])[0][1]
-    return out, price.predict("allreduce", name, BARRIER_BYTES, target.topo)
+    return out, price.call_time("allreduce", name, BARRIER_BYTES, target.topo)
 
 
 def timeline(fwd: float, opt: float, ready: Sequence[float], comm: Sequence[float], barrier: float,
