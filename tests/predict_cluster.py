@@ -36,15 +36,25 @@ def layout(hosts: int, per_host: int, how: str) -> List[int]:
 
 
 def measure_run(hosts: int, per_host: int, how: str, rate_mbit: Optional[float], trainer: Sequence[str],
-                out: str, tuner_cache: str) -> Dict[str, Any]:
-    """Build the cluster, measure its link rate (hosts > 1), train and record; writes the record to `out`."""
-    env = {"PYCOLL_TUNER_CACHE": tuner_cache, "PYTHONPATH": os.environ.get("PYTHONPATH", REPO)}
+                out: str, tuner_cache: str, racks: Optional[Dict[str, Any]] = None,
+                env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Build the cluster, measure its link rate (hosts > 1), train and record; writes the record to `out`.
+    `racks` {"second": hosts behind a second switch, "uplink_mbit": its uplink, "file": where to write the
+    PYCOLL_TOPO_FILE, "ranks": {rack: [ranks]}}: add_racks, then declare them with the uplink's measured rate."""
+    env = {"PYCOLL_TUNER_CACHE": tuner_cache, "PYTHONPATH": os.environ.get("PYTHONPATH", REPO), **(env or {})}
     with Cluster(hosts=hosts, rate_mbit=rate_mbit if hosts > 1 else None, sysctls=SYSCTLS) as cluster:
+        if racks:
+            add_racks(cluster, racks["second"], racks["uplink_mbit"])
+            uplink = min(cluster.link_rate(0, racks["second"][0]), cluster.link_rate(racks["second"][0], 0))
+            with open(racks["file"], "w") as fh:
+                json.dump({"racks": {k: {"ranks": v, "uplink_gbit": uplink * 8e-9} for k, v in racks["ranks"].items()}},
+                          fh)
+            env["PYCOLL_TOPO_FILE"] = racks["file"]
         rate = min(cluster.link_rate(0, 1), cluster.link_rate(1, 0)) if hosts > 1 else None
         rec = cluster.run("predict_cluster:train_record", layout(hosts, per_host, how), [list(trainer)],
                           env=env, timeout=500)[0]
     rec["cluster"] = {"hosts": hosts, "per_host": per_host, "placement": how, "rate_mbit": rate_mbit,
-                      "link_Bps": rate}
+                      "link_Bps": rate, "racks": racks, "env": {k: v for k, v in env.items() if k == "PYCOLL_ALGO"}}
     with open(out, "w") as fh:
         json.dump(rec, fh, indent=1)
     return rec

@@ -145,6 +145,9 @@ def table(results: Dict[int, Dict[str, Any]]) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_single_collectives_within_2x_with_ranks_sharing_cores():
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 4 * cores:  # other jobs' runnable tasks, which the model does not know, would dominate
+        pytest.skip(f"load average {load:.1f} on {cores} cores: measured 2-6x slower at 4-8 ranks than unloaded")
     results = measure([2, 4, 8])
     print("\n" + table(results))
     now, every, before = errors(results, "probe"), errors(results, "probe", False), errors(results, "before")
