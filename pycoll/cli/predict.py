@@ -107,6 +107,11 @@ def describe(p: Prediction, t: Target) -> str:
              f"interference; +{p.latency_fit_us:.0f} us per message fitted",
              f"  1 rank: {p.one_rank_ms:.2f} ms per step -> speedup {p.speedup:.2f}x, scaling efficiency "
              f"{p.efficiency:.0%}"]
+    topo = t.topo
+    if topo.racks:
+        racks = "; ".join(f"{name}: hosts {', '.join(str(h) for h, k in enumerate(topo.rack_of) if k == i)}"
+                          + (f", uplink {g:g} Gbit/s" if g else "") for i, (name, g) in enumerate(zip(topo.racks, topo.uplink_gbit)))
+        lines.append(f"  racks {racks}; host order of the rings {topo.host_order()}")
     if p.buckets:
         lines.append("  bucket        bytes  algorithm            ready    start      end   (ms from step start)")
         for k, b in enumerate(p.buckets):
