@@ -166,7 +166,7 @@ def load_topo_file(path: Optional[str] = None) -> Dict[str, Any]:
 
 def check_racks(spec: Dict[str, Any], where: str) -> None:
     """EnvError unless spec's "racks" maps a rack name to {"hosts": [names in "hosts"], "ranks": [ranks],
-    "uplink_gbit": > 0 (optional)}, with no host or rank in two racks."""
+    "uplink_gbit": >= 0 (optional; 0: no limit)}, with no host or rank in two racks."""
     racks = spec.get("racks", {})
     if not isinstance(racks, dict):
         raise EnvError(f"{where}: 'racks' must map a rack name to {{'hosts': [...], 'ranks': [...], 'uplink_gbit': G}}")
@@ -184,7 +184,7 @@ def check_racks(spec: Dict[str, Any], where: str) -> None:
             raise EnvError(f"{where}: rack {rack!r}: 'ranks' must be rank numbers, got {ranks}")
         gbit = d.get("uplink_gbit", 0)
         if not isinstance(gbit, (int, float)) or gbit < 0:
-            raise EnvError(f"{where}: rack {rack!r}: 'uplink_gbit' must be a positive number, got {gbit!r}")
+            raise EnvError(f"{where}: rack {rack!r}: 'uplink_gbit' must be a number >= 0 (0: no limit), got {gbit!r}")
         seen_hosts += hosts
         seen_ranks += ranks + [r for h in hosts for r in spec["hosts"][h]]
     if len(seen_hosts) != len(set(seen_hosts)) or len(seen_ranks) != len(set(seen_ranks)):

@@ -52,7 +52,7 @@ def test_topology_file_declares_racks(tmp_path):
     assert topo.uplink_gbit == [0, 10] and topo.uplinks.rack_of == (0, 0, 1, 1)
     for bad, why in (({"racks": {"A": {"hosts": ["zz"]}}}, "does not declare"),
                      ({"racks": {"A": {"ranks": [0]}, "B": {"ranks": [0]}}}, "two racks"),
-                     ({"racks": {"A": {"ranks": [0], "uplink_gbit": -1}}}, "positive"),
+                     ({"racks": {"A": {"ranks": [0], "uplink_gbit": -1}}}, ">= 0"),
                      ({"racks": {"A": {"rank": [0]}}}, "'hosts' and/or 'ranks'")):
         path.write_text(json.dumps(bad))
         with pytest.raises(EnvError, match=why):
