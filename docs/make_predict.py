@@ -6,13 +6,18 @@ One host (a network namespace) records the trainer's workload with 2 ranks; then
 ranks, packed and interleaved, each behind a tbf of --rate-mbit, run the same training and record it
 too. `pycoll predict --measured` predicts every run from the one-host record alone, and then the 3- and
 4-host runs from the 2-host packed run (calibrating on a run with the network in it). The records go to
-docs/predict/, the plots beside this page.
+docs/predict/, the plots beside this page. Then: a torch DDP model's record (examples/torch_ddp_record.py);
+the congested uplink (4 hosts in 2 racks, tests/test_predict_racks.py), allreduce and training step with
+the rack-oblivious and the rack-aware ring; single collectives on ranks sharing this machine's cores
+(tests/test_predict_cores.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import time
 
@@ -20,6 +25,128 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from predict_cluster import measure_run, predict_runs, scratch, table  # noqa: E402
+from test_predict_cores import measure as measure_cores, table as cores_table  # noqa: E402
+from test_predict_racks import RATE_MBIT, congested, congestion_table  # noqa: E402
+
+REPO = os.path.dirname(HERE)
+
+
+def torch_record(data: str) -> str:
+    """examples/torch_ddp_record.py on 2 ranks of this host, then `pycoll predict` on its record for 4
+    hosts x 2 ranks at 1 Gbit/s: the markdown section."""
+    rec = os.path.join(data, "torch-h1x2.json")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = subprocess.run([sys.executable, "-m", "pycoll", "run", "-n", "2", sys.executable, "examples/torch_ddp_record.py",
+                          "--hidden", "512,512", "--batch-size", "240", "--bucket-mb", "0.25", "--steps", "30",
+                          "--out", rec], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    if run.returncode:
+        raise RuntimeError(run.stdout + run.stderr)
+    cmd = ["predict", "--workload", os.path.relpath(rec, REPO), "--hosts", "4", "--ppn", "2", "--link-gbit", "1"]
+    pred = subprocess.run([sys.executable, "-m", "pycoll", *cmd], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=120)
+    w = json.load(open(rec))
+    out = [line for line in run.stdout.splitlines() if "workload record written" in line]
+    itself = predict_runs(rec, [rec], w["tuner"]["net"]["gbit"])["runs"][0]
+    return f"""## A torch DDP model's record
+
+`pycoll run -n 2 python examples/torch_ddp_record.py --hidden 512,512 --batch-size 240 --bucket-mb 0.25 --steps 30
+--out {os.path.relpath(rec, REPO)}`: the same MLP in torch, DDP on the "pycoll" backend, recorded through a DDP comm
+hook (pycoll/predict/torch_record.py): {len(w['buckets'])} buckets of {', '.join(str(b['bytes']) for b in w['buckets'])}
+bytes in launch order, ready at {', '.join(f"{b['ready_frac']:.0%}" for b in w['buckets'])} of forward+backward.
+
+```
+{chr(10).join(line.split('] ', 1)[-1] for line in out)}
+$ pycoll {' '.join(cmd)}
+{pred.stdout.strip()}
+```
+
+The recorded run itself, predicted from its record (`pycoll predict --workload R --measured R`):
+{itself['predicted_ms']:.1f} ms [{itself['low_ms']:.1f}, {itself['high_ms']:.1f}] against {itself['measured_ms']:.1f} ms
+measured ({itself['error']:+.0%}); the line above is the record's own prediction with nothing fitted.
+"""
+
+
+def congestion(data: str, trainer: list, cache: str) -> str:
+    """The congested uplink: allreduce (tests/test_predict_racks.congested) and the training step on 4
+    hosts x 1 rank in racks {{h0, h2}}, {{h1, h3}}, ring in rank order (flat_ring: crosses each uplink
+    twice per direction) and in rack order (ring), measured and predicted: the markdown section."""
+    res = congested(pathlib.Path(scratch()))
+    runs, rows = {}, []
+    for algo in ("flat_ring", "ring"):
+        path = os.path.join(data, f"racks-h4x1-{algo}.json")
+        racks = {"second": [1, 3], "uplink_mbit": RATE_MBIT, "file": os.path.join(scratch(), "racks.json"),
+                 "ranks": {"A": [0, 2], "B": [1, 3]}}
+        runs[algo] = measure_run(4, 1, "packed", RATE_MBIT, trainer, path, cache, racks,
+                                 {"PYCOLL_ALGO": f"allreduce:{algo}"})
+        gbit = runs[algo]["cluster"]["link_Bps"] * 8e-9
+        got = predict_runs(os.path.join(data, "h1x2.json"), [path], gbit, ["--algo", algo])
+        rows.append((algo, got["runs"][0], gbit))
+    lines = ["| ring | predicted step ms [interval] | measured ms | error | predicted split (compute + comm + wait) | "
+             "measured split |", "|---|---|---|---|---|---|"]
+    for algo, r, _ in rows:
+        p, m = r["prediction"], r["measured"]
+        lines.append(f"| {algo} ({'rank order 0,1,2,3: rack-oblivious' if algo == 'flat_ring' else 'rack order 0,2,1,3'}) | "
+                     f"{r['predicted_ms']:.1f} [{r['low_ms']:.1f}, {r['high_ms']:.1f}] | {r['measured_ms']:.1f} | "
+                     f"{r['error']:+.0%} | {p['compute_ms']:.1f} + {p['comm_ms']:.1f} + {p['wait_ms']:.1f} | "
+                     f"{m['compute_ms']:.1f} + {m['comm_ms']:.1f} + {m['wait_ms']:.1f} |")
+    speed = rows[0][1]["measured_ms"] / rows[1][1]["measured_ms"]
+    return f"""## A congested uplink: 4 hosts in 2 racks
+
+Hosts h0 and h2 on one switch (the cluster's bridge), h1 and h3 behind a second switch (a bridge in a
+namespace of its own) whose one uplink to the first is a tbf of {RATE_MBIT} Mbit/s both ways, like every
+host's link: the two hosts of a rack share one link's worth to the other rack. The topology file
+declares it (`{{"racks": {{"A": {{"ranks": [0, 2], "uplink_gbit": G}}, "B": {{"ranks": [1, 3], ...}}}}}}`, G the
+uplink measured). Ranks are numbered across the racks, so the ring in rank order (what pycoll ran before it knew
+the racks: host order 0, 1, 2, 3) crosses each uplink twice per direction; the rack-ordered ring (0, 2, 1, 3) once.
+
+Allreduce (tests/test_predict_racks.py, median of 4 of the slowest rank; predicted by the tuner with the racks):
+
+{congestion_table(res)}
+
+The last rows are the run without the racks declared: the tuner took the network for one switch and
+predicted half of what it measured; with the racks declared it predicts the same ring within 10% and
+runs the rack-ordered one.
+
+Training step (`python -m pycoll.trainer {' '.join(trainer)}`, 4 hosts x 1 rank, `PYCOLL_ALGO=allreduce:flat_ring`
+or `allreduce:ring`, racks declared; predicted from the one-host record `docs/predict/h1x2.json` with
+`--algo` the same ring, at the measured link rate):
+
+{chr(10).join(lines)}
+
+The rack-aware ring's step is {speed:.2f}x faster measured.
+"""
+
+
+def cores() -> str:
+    """Single collectives on ranks sharing this machine's cores: the markdown section."""
+    res = measure_cores([2, 4, 8])
+    return f"""## Single collectives on ranks that share cores
+
+`python tests/test_predict_cores.py 2,4,8`: allreduce of 8 B to 4 MiB on 2, 4 and 8 ranks of this 2-core
+machine, every algorithm, median of 5 of the slowest rank, against `Tuner.predict` (the cost model of the
+transfers alone, what the tuner ranks by) and `Tuner.call_time` (what `pycoll predict` charges a call:
+predict plus a per-call cost, paid in turn by ranks that share a core, plus a scheduling turn per message
+per rank beyond the cores), with the parameters the tuner probed at init and with the same links measured
+sustained (median 4 MiB round trips, a 4 MiB reduction alone).
+
+{cores_table(res)}
+
+Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
+- every call costs Python beyond its messages (argument checks, selection, the Work, the hand-off to the
+  communicator's worker, the slowest rank's wait for the last one to arrive): 0.1-0.4 ms measured, none
+  of it in the model; ranks that share a core pay it in turn. Now `CALL_OVERHEAD` x ranks per core.
+- with more ranks than cores, a rank that waits for a message spins a while, then sleeps on its doorbell,
+  and the sender must get a core first: each message waits about a scheduling turn per rank beyond the
+  cores. Now `WAKE` x (ranks - cores) per message. It is kept out of the ranking: ranked with it the
+  tuner would pick recursive doubling for 4 MiB on 3-8 ranks, measured 2-3x slower than the two-shot
+  it picks without it (recursive doubling's large exchanges under crowding are underpriced ~3x).
+- not fixed (calibration.py, outside this change): the probe takes the best of a few 1 MiB round trips
+  and 256 KiB reductions, in cache, between two ranks while the others idle: its shm rate and latency
+  swing 2-3x between runs minutes apart (the rows under the table). The sustained figures show what a
+  median of larger probes would give.
+- the rest is this machine: other jobs ran beside these (load above), so one point swings 2-6x from
+  run to run; the claim (tests/test_predict_cores.py) is for the set, not for every point.
+"""
 
 
 def main() -> None:
@@ -31,7 +158,10 @@ def main() -> None:
     ap.add_argument("--bucket-kb", type=float, default=256)
     ap.add_argument("--hosts", default="2,3,4")
     ap.add_argument("--reuse", action="store_true", help="predict from the records already in docs/predict/")
+    ap.add_argument("--sections", default="hosts,torch,racks,cores",
+                    help="which sections to measure: hosts (the trainer on 1-4 hosts), torch, racks, cores")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     trainer = ["--epochs", str(a.epochs), "--hidden", a.hidden, "--batch-size", str(a.batch_size),
                "--bucket-kb", f"{a.bucket_kb:g}", "--log-every", "0"]
     data = os.path.join(HERE, "predict")
@@ -40,6 +170,7 @@ def main() -> None:
     started = time.time()
     runs = {}
     base = os.path.join(data, "h1x2.json")
+    a.reuse = a.reuse or "hosts" not in sections
     if not a.reuse:
         measure_run(1, 2, "packed", None, trainer, base, cache)
     print(f"recorded 1 host x 2 ranks ({time.time() - started:.0f} s)", flush=True)
@@ -64,13 +195,26 @@ def main() -> None:
     rel = lambda p: os.path.relpath(p, os.path.dirname(HERE))  # noqa: E731
     cmd = f"pycoll predict --workload {rel(base)} --measured docs/predict/h*x2-*.json --link-gbit {gbit:.4g}"
     w = json.load(open(base))
+    worst = dict(max(one["runs"], key=lambda r: abs(r["error"])), run=label[max(one["runs"], key=lambda r: abs(
+        r["error"]))["run"]])
+    parts = []
+    for name, make in (("torch", lambda: torch_record(data)), ("racks", lambda: congestion(data, trainer, cache)),
+                       ("cores", cores)):
+        frag = os.path.join(data, f"section-{name}.md")
+        if name in sections:
+            with open(frag, "w") as fh:
+                fh.write(make())
+            print(f"measured section {name} ({time.time() - started:.0f} s)", flush=True)
+        if os.path.exists(frag):
+            parts.append(open(frag).read())
+    extra = "\n".join(parts)
     text = f"""# pycoll predict, checked against measured runs
 
 Generated by `docs/make_predict.py` (`sudo PYTHONPATH=. python docs/make_predict.py`) on this 2-core
 machine; every "host" is a network namespace (tests/netns_cluster.py) whose link is a tbf of
 {a.rate_mbit:g} Mbit/s, measured in the same run at **{gbit * 1000:.0f} Mbit/s** (one raw TCP stream,
 mean over the clusters). All ranks of all emulated hosts share the machine's 2 cores, and other jobs
-ran on it at the same time (load average about 20 while these were taken), so compute per rank grows
+ran on it at the same time (load average 8-20 while these were taken), so compute per rank grows
 with the number of ranks and every figure is noisy; the model charges the sharing (ranks / cores,
 `--shared-cores`, found from the records: their hosts are one machine).
 
@@ -106,11 +250,11 @@ the profile of one rank alone, communication at the tuner's calibrated prices):
 
 ![predicted vs measured, from two hosts](predict_from_2hosts.png)
 
-Goals: mean |error| <= 15%, max <= 25%. The 3-host packed run is the outlier in every table: it
-measured 106 ms against 79 ms interleaved, a difference the tuner's host-ordered algorithms should
-not show (both placements run the same hierarchical allreduce); with the machine at load ~20, one
-slow run of 20 steps is within what the noise does here.
-"""
+Goals: mean |error| <= 15%, max <= 25%. The worst point of the one-host table is {worst['run']}
+({worst['error']:+.0%}); packed and interleaved placements run the same host-ordered algorithms, so a
+difference between them beyond the noise of a loaded machine is not something the model can show.
+
+{extra}"""
     with open(os.path.join(HERE, "predict.md"), "w") as fh:
         fh.write(text)
     print(text)

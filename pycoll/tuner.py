@@ -4,8 +4,10 @@ fed by the calibration at init (pycoll.calibration); the Selector asks it for th
 Each algorithm is described by its communication pattern on the communicator's topology: a list of
 rounds, each with a count of back-to-back messages and the (src, dst, bytes) transfers it makes.
 
-    round time = messages * alpha(link) + max(NIC time, flow time, shm time * crowd) + reduced bytes * gamma * crowd
+    round time = messages * alpha(link) + max(NIC time, uplink time, flow time, shm time * crowd)
+                 + reduced bytes * gamma * crowd
     NIC time   = max over hosts of max(bytes out, bytes in) across hosts * beta(net) * streams
+    uplink time = max over racks of max(bytes out, bytes in) across racks * beta(its uplink) * streams
     flow time  = max over pairs across hosts of their bytes * beta(flow) / nsocks
     shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
     crowd      = max over hosts of (ranks busy in the round / the host's cores), at least 1
@@ -24,6 +26,11 @@ ring for one, and the hierarchical allreduce for 2(H-1)/H * S bytes per host.
 
 The model's parameters (Params) come from pycoll.calibration: defaults, PYCOLL_TOPO_FILE, a cache
 or a probe at init.
+
+Racks (PYCOLL_TOPO_FILE "racks", Topology.uplinks) share one uplink among their hosts: an
+oversubscribed uplink carries every flow that leaves (or enters) the rack, so a ring that crosses
+it twice per direction (racks interleaved in host order) takes twice as long on it as the
+rack-ordered ring (Topology.ring_order), which crosses it once.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from . import config
 from .algorithms.recursive_doubling import Fold
 from .algorithms.ring import segment_bytes, segments_per_block
 from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, btree
-from .topology import SHM, Topology
+from .topology import SHM, Topology, Uplinks
 
 log = logging.getLogger("pycoll.tuner")
 _log_ready = False  # the PYCOLL_DEBUG=INFO handler is attached
@@ -249,9 +256,28 @@ def crowding(rnd: Round, host_of: Sequence[int], cores: Sequence[int]) -> float:
     return max([1.0] + [len(ranks) / cores[h] for h, ranks in busy.items() if h < len(cores) and cores[h]])
 
 
+def uplink_time(rnd: Round, host_of: Sequence[int], uplinks: Uplinks) -> float:
+    """Seconds per stream the round's traffic between racks takes on the busiest rack uplink."""
+    out: Dict[int, float] = {}
+    inn: Dict[int, float] = {}
+    for src, dst, nbytes in rnd.pairs:
+        a, b = uplinks.rack_of[host_of[src]], uplinks.rack_of[host_of[dst]]
+        if a == b:
+            continue
+        if a >= 0:
+            out[a] = out.get(a, 0.0) + nbytes
+        if b >= 0:
+            inn[b] = inn.get(b, 0.0) + nbytes
+    racks = set(out) | set(inn)
+    if rnd.duplex:
+        return max((max(out.get(k, 0.0), inn.get(k, 0.0)) * uplinks.beta[k] for k in racks), default=0.0)
+    return max(((out.get(k, 0.0) + inn.get(k, 0.0)) * uplinks.beta[k] for k in racks), default=0.0)
+
+
 def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1,
-               cores: Sequence[int] = ()) -> float:
-    """Seconds one round takes on ranks placed on hosts `host_of`, with cores[h] cores on host h."""
+               cores: Sequence[int] = (), uplinks: Optional[Uplinks] = None) -> float:
+    """Seconds one round takes on ranks placed on hosts `host_of`, with cores[h] cores on host h,
+    the hosts in racks with shared `uplinks` (None: one switch, no uplink between them)."""
     nic_out: Dict[int, float] = {}
     nic_in: Dict[int, float] = {}
     mem_out: Dict[int, float] = {}
@@ -272,16 +298,35 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     else:
         nic_bytes = max((nic_out.get(h, 0.0) + nic_in.get(h, 0.0) for h in set(nic_out) | set(nic_in)), default=0.0)
     nic = nic_bytes * params.net.beta
+    if uplinks is not None and nic_out:
+        nic = max(nic, uplink_time(rnd, host_of, uplinks))
     flow = widest * params.flow_link().beta / params.nsocks if params.flow is not None else 0.0
     mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
     crowd = crowding(rnd, host_of, cores)
     return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + rnd.reduce * params.gamma * crowd
 
 
+def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
+    """Ranks beyond the cores of the most crowded host (0 when each rank has a core of its own)."""
+    counts = Counter(host_of)
+    return max([0.0] + [k - cores[h] for h, k in counts.items() if h < len(cores) and 0 < cores[h] < k])
+
+
 # A board post is a counter store that spinning peers see; a message adds a header, a ring, matching
 # and maybe a doorbell. Measured here (shm, 8 B allreduce): 4 ranks, a post 55-65 us, a message round
 # (recursive doubling) 105 us; 2 ranks, 9-14 us and 24-33 us. So a post costs half a message latency.
 BOARD_POST = 0.5
+# What a call costs as its caller sees it, beyond predict() (used for absolute figures, call_time(), not
+# for ranking): fitted on allreduce of 8 B - 4 MiB, 2-8 ranks on this 2-core machine
+# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic:
+# - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, the hand-off to the worker) and
+#   the wait for the last rank to arrive, paid in turn by ranks that share a core;
+# - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
+#   doorbell, and the sender must first get a core: every message waits about a scheduling turn per
+#   rank beyond the cores. (Ranking with it picked recursive doubling for 4 MiB on 3-8 ranks, measured
+#   2-3x slower than the two-shot the model picks without it, so it stays out of predict().)
+CALL_OVERHEAD = 0.25e-3
+WAKE = 0.25e-3
 
 
 def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> List[Round]:
@@ -347,8 +392,28 @@ class Tuner:
             return math.inf
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
-        return sum(round_time(r, topo.host_of, self.params, streams, topo.cores)
+        return sum(round_time(r, topo.host_of, self.params, streams, topo.cores, topo.uplinks)
                    for r in self.pattern(collective, algorithm, nbytes, topo))
+
+    def call_time(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
+        """Predicted seconds of one call as its caller sees it: predict() plus what every call costs
+        beyond its messages (CALL_OVERHEAD, paid in turn by ranks that share a core)."""
+        if topo.size == 1:
+            return 0.0
+        crowd = max([1.0] + [len(m) / c for m, c in zip(topo.members, topo.cores) if c])
+        extra = excess(topo.host_of, topo.cores)
+        wakes = WAKE * extra * self.messages(collective, algorithm, nbytes, topo) if extra else 0.0
+        return self.predict(collective, algorithm, nbytes, topo) + CALL_OVERHEAD * crowd + wakes
+
+    def messages(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
+        """Message latencies one call pays back to back (board posts count BOARD_POST), phase by phase."""
+        if algorithm != "hierarchical":
+            return sum(r.msgs for r in self.pattern(collective, algorithm, nbytes, topo))
+        local = Topology.from_hosts([0] * topo.per_host, min(topo.cores))
+        cross = topo.subset([m[0] for m in topo.members])
+        inner = self.best_phase(collective, nbytes / topo.per_host, cross, topo.per_host)[0] if topo.nhosts > 1 else ""
+        return (self.messages("allgather", "ring", nbytes, local) * (2 if collective == "allreduce" else 1)
+                + (self.messages(collective, inner, nbytes / topo.per_host, cross) if inner else 0.0))
 
     def rank(self, collective: str, nbytes: float, topo: Topology, candidates: Iterable[str],
              streams: int = 1) -> List[Tuple[float, str]]:
@@ -369,7 +434,7 @@ class Tuner:
         if H == 1:
             return self.predict(collective, "ring", nbytes, topo)
         local = Topology.from_hosts([0] * L, min(topo.cores))
-        cross = Topology.from_hosts(range(H))
+        cross = topo.subset([m[0] for m in topo.members])  # one rank per host, in racks as the hosts are
         if L == 1:
             return self.best_phase(collective, nbytes, cross, 1)[1]
         if topo.uniform:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from netns_cluster import Cluster
+from netns_cluster import Cluster, ClusterError
 
 from pycoll import config
 
@@ -36,15 +36,25 @@ def layout(hosts: int, per_host: int, how: str) -> List[int]:
 
 
 def measure_run(hosts: int, per_host: int, how: str, rate_mbit: Optional[float], trainer: Sequence[str],
-                out: str, tuner_cache: str) -> Dict[str, Any]:
-    """Build the cluster, measure its link rate (hosts > 1), train and record; writes the record to `out`."""
-    env = {"PYCOLL_TUNER_CACHE": tuner_cache, "PYTHONPATH": os.environ.get("PYTHONPATH", REPO)}
+                out: str, tuner_cache: str, racks: Optional[Dict[str, Any]] = None,
+                env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Build the cluster, measure its link rate (hosts > 1), train and record; writes the record to `out`.
+    `racks` {"second": hosts behind a second switch, "uplink_mbit": its uplink, "file": where to write the
+    PYCOLL_TOPO_FILE, "ranks": {rack: [ranks]}}: add_racks, then declare them with the uplink's measured rate."""
+    env = {"PYCOLL_TUNER_CACHE": tuner_cache, "PYTHONPATH": os.environ.get("PYTHONPATH", REPO), **(env or {})}
     with Cluster(hosts=hosts, rate_mbit=rate_mbit if hosts > 1 else None, sysctls=SYSCTLS) as cluster:
+        if racks:
+            add_racks(cluster, racks["second"], racks["uplink_mbit"])
+            uplink = min(cluster.link_rate(0, racks["second"][0]), cluster.link_rate(racks["second"][0], 0))
+            with open(racks["file"], "w") as fh:
+                json.dump({"racks": {k: {"ranks": v, "uplink_gbit": uplink * 8e-9} for k, v in racks["ranks"].items()}},
+                          fh)
+            env["PYCOLL_TOPO_FILE"] = racks["file"]
         rate = min(cluster.link_rate(0, 1), cluster.link_rate(1, 0)) if hosts > 1 else None
         rec = cluster.run("predict_cluster:train_record", layout(hosts, per_host, how), [list(trainer)],
                           env=env, timeout=500)[0]
     rec["cluster"] = {"hosts": hosts, "per_host": per_host, "placement": how, "rate_mbit": rate_mbit,
-                      "link_Bps": rate}
+                      "link_Bps": rate, "racks": racks, "env": {k: v for k, v in env.items() if k == "PYCOLL_ALGO"}}
     with open(out, "w") as fh:
         json.dump(rec, fh, indent=1)
     return rec
@@ -79,3 +89,42 @@ def table(result: Dict[str, Any], label: Dict[str, str]) -> str:
 def scratch() -> str:
     """A fresh directory for records and the tuner cache."""
     return tempfile.mkdtemp(prefix="pycoll-predict-")
+
+
+def add_racks(cluster: Cluster, second: Sequence[int], uplink_mbit: float) -> None:
+    """Put hosts `second` of a built Cluster behind a rack switch of their own whose uplink to the
+    cluster's bridge (the first rack's switch) runs at `uplink_mbit` both ways (tbf, as the hosts'
+    links): every flow between the racks shares that one link. The second switch is a bridge in a
+    namespace of its own (named like the hosts', so Cluster.close and the sweep of dead runs delete
+    it, and the uplink's veth pair with it); the hosts' links keep their shaping."""
+    ns = cluster.namespaces[0].rsplit("-h", 1)[0] + "-rack1"
+    uplink = cluster.veths[0].rsplit("h", 1)[0] + "u"
+    _ip("netns", "add", ns)
+    cluster.namespaces.append(ns)  # close() deletes it after the hosts
+    tc_in_ns = ["ip", "netns", "exec", ns, "tc"]
+    _ip("-n", ns, "link", "add", "sw", "type", "bridge")
+    _ip("-n", ns, "link", "set", "sw", "up")
+    for h in second:  # the host's end in the root namespace moves to the rack's switch (its qdisc does not)
+        veth = cluster.veths[h]
+        _ip("link", "set", veth, "netns", ns)
+        _ip("-n", ns, "link", "set", veth, "master", "sw")
+        _ip("-n", ns, "link", "set", veth, "up")
+        if cluster.rate_mbit:
+            cluster._shape(tc_in_ns, veth)
+    _ip("link", "add", uplink, "type", "veth", "peer", "name", "uplink", "netns", ns)
+    _ip("link", "set", uplink, "master", cluster.bridge)
+    _ip("link", "set", uplink, "up")
+    _ip("-n", ns, "link", "set", "dev", "uplink", "master", "sw")
+    _ip("-n", ns, "link", "set", "dev", "uplink", "up")
+    for tc, dev in ((["tc"], uplink), (tc_in_ns, "uplink")):
+        cmd = tc + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{uplink_mbit}mbit",
+                    "burst", f"{cluster.burst_kib}kb", "latency", f"{cluster.latency_ms:g}ms"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise ClusterError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")

@@ -1,5 +1,6 @@
 """`pycoll predict`: how long one training step takes on H hosts of L ranks, and why, from a workload
-recorded once (`python -m pycoll.trainer ... --report-json FILE`).
+recorded once (`python -m pycoll.trainer ... --report-json FILE`, or a torch DDP model through
+pycoll/predict/torch_record.py).
 
     pycoll predict --workload rec.json --hosts 4 --ppn 2 --link-gbit 1 --link-latency-us 50
     pycoll predict --workload rec.json --hosts 8 --ppn 4 --link-gbit 10 --sweep --sweep-gbit 1,10,100
@@ -21,19 +22,21 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..errors import EnvError
 from ..predict.model import Prediction, Target, build_topology, placement, predict, recorded_target
 from ..predict.workload import Workload, WorkloadError, load
-from ..topology import load_topo_file
+from ..topology import load_topo_file, rack_of_rank
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
 from ..tuner import Link
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pycoll predict", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, metavar="FILE", help="workload record (trainer --report-json)")
+    ap.add_argument("--workload", required=True, metavar="FILE",
+                    help="workload record (trainer --report-json, or a torch DDP model's: pycoll/predict/torch_record.py)")
     ap.add_argument("--hosts", type=int, default=1, help="hosts of the target cluster (default 1)")
     ap.add_argument("--ppn", type=int, default=1, help="ranks per host (default 1)")
     ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")
     ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's)")
-    ap.add_argument("--topo-file", metavar="T", help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links")
+    ap.add_argument("--topo-file", metavar="T",
+                    help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links, racks and their uplinks")
     ap.add_argument("--placement", default="packed",
                     help="packed (ranks 0..L-1 on host 0, ...), scattered (rank r on host r mod H) or a JSON "
                          "file holding the host of each rank as a list")
@@ -81,8 +84,13 @@ def target_for(w: Workload, args: argparse.Namespace, hosts: int, ppn: int, gbit
     for r, over in spec.get("ranks", {}).items():
         if "cores" in over and int(r) < len(host_of):
             cores[host_of[int(r)]] = int(over["cores"])
+    racks, uplink = [""] * nhosts, {}
+    for r, h in enumerate(host_of):  # a host is in the rack of its first rank
+        if not racks[h]:
+            racks[h], gbit = rack_of_rank(spec, r)
+            uplink[racks[h]] = gbit
     single = nhosts == 1
-    return Target(build_topology(host_of, cores), params, args.batch_size or w.global_batch,
+    return Target(build_topology(host_of, cores, racks, uplink), params, args.batch_size or w.global_batch,
                   shared_cores=args.shared_cores, algo=args.algo,
                   board_bytes=(w.board_bytes or SLOT_BYTES) if single else 0,
                   stage_bytes=(w.stage_bytes or STAGE_BYTES) if single else 0)
@@ -99,6 +107,11 @@ def describe(p: Prediction, t: Target) -> str:
              f"interference; +{p.latency_fit_us:.0f} us per message fitted",
              f"  1 rank: {p.one_rank_ms:.2f} ms per step -> speedup {p.speedup:.2f}x, scaling efficiency "
              f"{p.efficiency:.0%}"]
+    topo = t.topo
+    if topo.racks:
+        racks = "; ".join(f"{name}: hosts {', '.join(str(h) for h, k in enumerate(topo.rack_of) if k == i)}"
+                          + (f", uplink {g:g} Gbit/s" if g else "") for i, (name, g) in enumerate(zip(topo.racks, topo.uplink_gbit)))
+        lines.append(f"  racks {racks}; host order of the rings {topo.host_order()}")
     if p.buckets:
         lines.append("  bucket        bytes  algorithm            ready    start      end   (ms from step start)")
         for k, b in enumerate(p.buckets):

@@ -118,15 +118,28 @@ def interference(w: Workload, recorded_sharing: float) -> float:
     return max(1.0, w.compute.fwd_bwd_ms / (alone * recorded_sharing))
 
 
-def build_topology(host_of: Sequence[int], cores: Sequence[int] = ()) -> Topology:
-    """A Topology of ranks on hosts `host_of` (host indices), host h having cores[h] cores (0: unknown)."""
-    return Topology([RankInfo(host=str(h), cores=cores[h] if h < len(cores) else 0) for h in host_of])
+def build_topology(host_of: Sequence[int], cores: Sequence[int] = (), racks: Sequence[str] = (),
+                   uplink_gbit: Optional[Dict[str, float]] = None) -> Topology:
+    """A Topology of ranks on hosts `host_of` (host indices), host h having cores[h] cores (0: unknown)
+    and hanging off rack racks[h] ("" or absent: none) whose uplink runs at uplink_gbit[rack] (0: no limit)."""
+    up = uplink_gbit or {}
+
+    def info(h: int) -> RankInfo:
+        rack = racks[h] if h < len(racks) else ""
+        return RankInfo(host=str(h), cores=cores[h] if h < len(cores) else 0, rack=rack,
+                        uplink_gbit=float(up.get(rack, 0.0)) if rack else 0.0)
+    return Topology([info(h) for h in host_of])
 
 
 def recorded_sharing(w: Workload) -> float:
     """Core sharing in the recorded run; hosts recorded on one machine (emulated) share its cores."""
     one_machine = len(w.machines) > 1 and len(set(w.machines)) == 1
     return sharing(build_topology(w.host_of, w.cores), w.cores[0] if one_machine and w.cores else 0)
+
+
+def workload_topology(w: Workload) -> Topology:
+    """The recorded run's topology: its ranks' hosts, cores and racks."""
+    return build_topology(w.host_of, w.cores, w.racks, w.uplink_gbit)
 
 
 def with_latency(params: Params, extra: float, net: bool = True) -> Params:
@@ -138,7 +151,7 @@ def with_latency(params: Params, extra: float, net: bool = True) -> Params:
 def recorded_target(w: Workload) -> Target:
     """The recorded run itself as a Target (its topology, tuner parameters and board)."""
     one_machine = len(w.machines) > 1 and len(set(w.machines)) == 1
-    return Target(build_topology(w.host_of, w.cores), w.params, w.global_batch,
+    return Target(workload_topology(w), w.params, w.global_batch,
                   shared_cores=w.cores[0] if one_machine and w.cores else 0,
                   board_bytes=w.board_bytes, stage_bytes=w.stage_bytes)
 
@@ -171,7 +184,8 @@ def _candidates(target: Target) -> List[str]:
 def comm_times(w: Workload, target: Target, extra: float = 0.0,
                net: bool = True) -> Tuple[List[Tuple[str, float]], float]:
     """Per bucket (algorithm, seconds): the algorithm the tuner picks on the target with its own
-    parameters (what the job's selector would run), priced with `extra` seconds more per message
+    parameters (what the job's selector would run), priced as a call (Tuner.call_time: with the
+    per-call cost and, where ranks outnumber cores, the wake-ups) with `extra` seconds more per message
     (on the net too unless not `net`); and the wait probe's (barrier's) seconds."""
     pick = Tuner(target.params, target.board_bytes, target.stage_bytes)
     price = Tuner(with_latency(target.params, extra, net), target.board_bytes, target.stage_bytes)
@@ -182,9 +196,9 @@ def comm_times(w: Workload, target: Target, extra: float = 0.0,
         if math.isinf(t):
             raise ValueError(f"the tuner has no finite price for allreduce of {b.nbytes} B with {cands} on "
                              f"{target.topo.size} ranks / {target.topo.nhosts} hosts")
-        out.append((name, price.predict("allreduce", name, b.nbytes, target.topo)))
+        out.append((name, price.call_time("allreduce", name, b.nbytes, target.topo)))
     name = pick.rank("allreduce", BARRIER_BYTES, target.topo, [a for a in MODELED["allreduce"] if a not in NAMED_ONLY])[0][1]
-    return out, price.predict("allreduce", name, BARRIER_BYTES, target.topo)
+    return out, price.call_time("allreduce", name, BARRIER_BYTES, target.topo)
 
 
 def timeline(fwd: float, opt: float, ready: Sequence[float], comm: Sequence[float], barrier: float,

@@ -1,6 +1,6 @@
 """The workload record: what `pycoll predict` needs to know about one training job, written by
 `python -m pycoll.trainer --report-json FILE` (pycoll/trainer/workload.py) or by a torch DDP model
-(pycoll/torch/workload.py), and read back here.
+(pycoll/predict/torch_record.py), and read back here.
 
 A record holds, in JSON (times in milliseconds, sizes in bytes):
 
@@ -13,14 +13,15 @@ A record holds, in JSON (times in milliseconds, sizes in bytes):
 * `profile`: forward+backward and optimizer timed on one rank alone at several local batch sizes,
   so a prediction for more ranks (a smaller share of the global batch) knows the compute it will do;
 * `tuner`: the cost model's parameters and the board sizes of the recording run (Params.row order);
-* `topology`: the ranks' hosts (`host_of`), cores per host and which hosts are one machine.
+* `topology`: the ranks' hosts (`host_of`), cores per host, which hosts are one machine, and where
+  racks were declared (PYCOLL_TOPO_FILE) each host's rack (`racks`) and the racks' `uplink_gbit`.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ..tuner import Link, Params
 
@@ -68,6 +69,8 @@ class Workload:
     step_ms: float = math.nan                  # measured
     measured: Dict[str, float] = field(default_factory=dict)
     machines: List[str] = field(default_factory=list)  # per host: the machine it runs on
+    racks: List[str] = field(default_factory=list)     # per host: its rack ("" none; empty: no racks declared)
+    uplink_gbit: Dict[str, float] = field(default_factory=dict)  # per rack: its uplink's rate (0: no limit)
     extra: Dict[str, Any] = field(default_factory=dict)  # everything else the file holds
 
     @property
@@ -107,7 +110,8 @@ class Workload:
         out.update({
             "kind": KIND, "version": VERSION, "source": self.source, "step_ms": self.step_ms,
             "global_batch": self.global_batch, "ranks": self.ranks,
-            "topology": {"host_of": self.host_of, "cores": self.cores, "machines": self.machines},
+            "topology": {"host_of": self.host_of, "cores": self.cores, "machines": self.machines,
+                         **({"racks": self.racks, "uplink_gbit": self.uplink_gbit} if self.racks else {})},
             "buckets": [{"bytes": b.nbytes, "ready_frac": b.ready_frac} for b in self.buckets],
             "compute": {"local_batch": self.compute.local_batch, "fwd_bwd_ms": self.compute.fwd_bwd_ms,
                         "optimizer_ms": self.compute.optimizer_ms, "jitter_frac": self.jitter_frac},
@@ -144,6 +148,8 @@ def from_dict(d: Dict[str, Any], where: str = "workload") -> Workload:
             source=str(d["source"]), global_batch=int(d["global_batch"]), ranks=int(d["ranks"]),
             host_of=[int(h) for h in topo["host_of"]], cores=[int(c) for c in topo["cores"]],
             machines=[str(m) for m in topo.get("machines", [])],
+            racks=[str(r) for r in topo.get("racks", [])],
+            uplink_gbit={str(k): float(v) for k, v in topo.get("uplink_gbit", {}).items()},
             buckets=[Bucket(int(b["bytes"]), float(b["ready_frac"])) for b in d["buckets"]],
             compute=ComputePoint(float(comp["local_batch"]), float(comp["fwd_bwd_ms"]), float(comp["optimizer_ms"])),
             jitter_frac=float(comp.get("jitter_frac", 0.0)),

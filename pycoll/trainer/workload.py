@@ -75,9 +75,19 @@ def build(comm: Communicator, cfg: TrainConfig, result: TrainResult, profile: Li
     """The workload record of a finished run (rank 0: it holds every rank's step records)."""
     assert result.records is not None
     rec = result.records[:, 1:] if result.records.shape[1] > 1 else result.records  # the first step warms up
+    return from_records(comm, rec, _bucket_bytes(result), cfg.batch_size, profile, "pycoll.trainer",
+                        {"trainer": {"hidden": list(cfg.hidden), "bucket_kb": cfg.bucket_kb, "dtype": cfg.dtype,
+                                     "optimizer": cfg.optimizer, "epochs": cfg.epochs}})
+
+
+def from_records(comm: Communicator, rec: np.ndarray, bucket_bytes: List[int], global_batch: int,
+                 profile: List[ComputePoint], source: str, extra: Dict[str, Any]) -> Workload:
+    """A workload record from every rank's step records `rec` (ranks, steps, pycoll.trainer.timing's
+    columns; warm-up steps already dropped) of a run whose buckets, in launch order, hold
+    `bucket_bytes`: the trainer's, or a torch DDP model's (pycoll/predict/torch_record.py)."""
     fwd = rec[:, :, BACKWARD_END] - rec[:, :, STEP_START]
     opt = rec[:, :, STEP_END] - rec[:, :, SYNC_END]
-    nb = len(result.plan)
+    nb = len(bucket_bytes)
     launch = rec[:, :, BUCKETS_FROM:BUCKETS_FROM + 2 * nb:2] - rec[:, :, STEP_START:STEP_START + 1]
     ready = [median((launch[:, :, k] / fwd).ravel().tolist()) for k in range(nb)]
     rel = np.concatenate([(f / np.median(f) - 1.0) for f in fwd])
@@ -88,23 +98,32 @@ def build(comm: Communicator, cfg: TrainConfig, result: TrainResult, profile: Li
     topo = comm.topology
     tuner = comm.selector.tuner
     machines = [topo.ranks[m[0]].hostname for m in topo.members]
+    racks = [topo.racks[k] if k >= 0 else "" for k in topo.rack_of] if topo.racks else []
+    step_ms = median((rec[:, :, STEP_END] - rec[:, :, STEP_START]).ravel() * 1e3)
     return Workload(
-        source="pycoll.trainer", global_batch=cfg.batch_size, ranks=comm.size, host_of=list(topo.host_of),
-        cores=list(topo.cores), machines=machines,
-        buckets=[Bucket(n, r if math.isfinite(r) else 1.0) for n, r in zip(_bucket_bytes(result), ready)],
-        compute=ComputePoint(cfg.batch_size / comm.size, median((fwd * 1e3).ravel().tolist()),
+        source=source, global_batch=global_batch, ranks=comm.size, host_of=list(topo.host_of),
+        cores=list(topo.cores), machines=machines, racks=racks,
+        uplink_gbit=dict(zip(topo.racks, topo.uplink_gbit)),
+        buckets=[Bucket(n, r if math.isfinite(r) else 1.0) for n, r in zip(bucket_bytes, ready)],
+        compute=ComputePoint(global_batch / comm.size, median((fwd * 1e3).ravel().tolist()),
                              median((opt * 1e3).ravel().tolist())),
         jitter_frac=jitter, profile=profile,
         params=tuner.params if tuner is not None else DEFAULT,
         board_bytes=tuner.board_bytes if tuner is not None else 0,
         stage_bytes=tuner.stage_bytes if tuner is not None else 0,
-        step_ms=median((rec[:, :, STEP_END] - rec[:, :, STEP_START]).ravel() * 1e3),
-        measured={"step_ms": median((rec[:, :, STEP_END] - rec[:, :, STEP_START]).ravel() * 1e3),
-                  "compute_ms": splits["compute"], "comm_ms": splits["comm"], "wait_ms": splits["wait"],
-                  "comm_total_ms": splits["comm_total"], "steps": int(rec.shape[1]),
+        step_ms=step_ms,
+        measured={"step_ms": step_ms, "compute_ms": splits["compute"], "comm_ms": splits["comm"],
+                  "wait_ms": splits["wait"], "comm_total_ms": splits["comm_total"], "steps": int(rec.shape[1]),
                   "per_rank_fwd_bwd_ms": [median(f * 1e3) for f in fwd]},
-        extra={"trainer": {"hidden": list(cfg.hidden), "bucket_kb": cfg.bucket_kb, "dtype": cfg.dtype,
-                           "optimizer": cfg.optimizer, "epochs": cfg.epochs}})
+        extra=extra)
+
+
+def with_prediction(w: Workload) -> Dict[str, Any]:
+    """The record's JSON form with the model's prediction of this very run under "prediction"
+    (the tuner's parameters, nothing fitted)."""
+    out = w.to_dict()
+    out["prediction"] = predict(w, recorded_target(w), fit=False).to_dict()
+    return out
 
 
 def record(comm: Communicator, cfg: TrainConfig, result: TrainResult) -> Optional[Dict[str, Any]]:
@@ -113,10 +132,7 @@ def record(comm: Communicator, cfg: TrainConfig, result: TrainResult) -> Optiona
     profile = compute_profile(comm, cfg, result.params)
     if comm.rank != 0:
         return None
-    w = build(comm, cfg, result, profile)
-    out = w.to_dict()
-    out["prediction"] = predict(w, recorded_target(w), fit=False).to_dict()
-    return out
+    return with_prediction(build(comm, cfg, result, profile))
 
 
 def prediction_line(rec: Dict[str, Any]) -> str:

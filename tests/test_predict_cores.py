@@ -1,0 +1,161 @@
+"""Single collectives on one host, ranks sharing its cores: the tuner's prediction of a call
+(Tuner.call_time) against the measured time (slow), beside predict() alone (before the per-call cost
+and the wake-ups of ranks beyond the cores) and the same model with parameters measured sustained
+(median, 4 MiB) instead of the probe's best of a few. `python tests/test_predict_cores.py 2,4,8`
+prints the table."""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import pytest
+
+from multiproc import run_ranks
+from pycoll.topology import Topology
+from pycoll.tuner import Link, Params, Tuner
+
+SIZES = [8, 64 << 10, 1 << 20, 4 << 20]
+ALGOS = ["oneshot", "twoshot", "ring", "recursive_doubling", "halving_doubling", "tree"]
+SUSTAINED_BYTES = 4 << 20
+
+
+def sustained(comm: Any, iters: int) -> List[float]:
+    """Ranks 0 and 1 ping-pong 8 B and SUSTAINED_BYTES (the others wait): [alpha, beta] from the
+    median round trips, where the tuner's probe takes the best of a few (and 1 MiB, in cache)."""
+    small, big = np.zeros(1, np.float64), np.zeros(SUSTAINED_BYTES // 8, np.float64)
+    rtt: Dict[int, List[float]] = {small.nbytes: [], big.nbytes: []}
+    if comm.rank < 2:
+        for buf in (small, big):
+            for _ in range(iters + 1):
+                t = time.perf_counter()
+                if comm.rank == 0:
+                    comm.send(buf, 1)
+                    comm.recv(buf, 1)
+                else:
+                    comm.recv(buf, 0)
+                    comm.send(buf, 0)
+                rtt[buf.nbytes].append(time.perf_counter() - t)
+    out = np.array([statistics.median(rtt[8][1:]), statistics.median(rtt[big.nbytes][1:])] if comm.rank == 0
+                   else [0.0, 0.0])
+    comm.broadcast(out, root=0)
+    alpha = out[0] / 2
+    return [alpha, max(out[1] / 2 - alpha, 1e-6) / big.nbytes]
+
+
+def reduce_gamma(comm: Any, iters: int) -> float:
+    """Seconds per byte of a float32 add of SUSTAINED_BYTES on rank 0 alone (median; the probe's is the
+    best of a few 256 KiB adds, in cache)."""
+    out = np.zeros(1)
+    if comm.rank == 0:
+        a = np.ones(SUSTAINED_BYTES // 4, np.float32)
+        b = np.ones_like(a)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            np.add(a, b, out=a)
+            times.append(time.perf_counter() - t)
+        out[0] = statistics.median(times) / a.nbytes
+    comm.broadcast(out, root=0)
+    return float(out[0])
+
+
+def bench(comm: Any, sizes: Sequence[int], algos: Sequence[str], iters: int) -> Dict[str, Any]:
+    """Per size and algorithm the median over `iters` of the slowest rank's time; the tuner's
+    parameters and choice; a sustained measure of the same links."""
+    tuner = comm.selector.tuner
+    link = sustained(comm, iters) + [reduce_gamma(comm, iters)]
+    rows = []
+    for nbytes in sizes:
+        chosen = comm.selector.choose("allreduce", nbytes, comm.size, topo=comm.topology)
+        for algo in algos:
+            if math.isinf(tuner.predict("allreduce", algo, nbytes, comm.topology)):
+                continue
+            times = []
+            for it in range(iters + 1):
+                x = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)
+                comm.barrier()
+                t = time.perf_counter()
+                comm.allreduce(x, algo=algo)
+                took = np.array([time.perf_counter() - t])
+                comm.allreduce(took, op="max", algo="recursive_doubling")
+                if it:
+                    times.append(float(took[0]))
+            rows.append({"bytes": nbytes, "algo": algo, "chosen": algo == chosen, "measured": statistics.median(times)})
+    return {"rows": rows, "params": list(tuner.params.row()), "cores": comm.topology.cores[0],
+            "board": tuner.board_bytes, "stage": tuner.stage_bytes, "sustained": link,
+            "load": os.getloadavg()[0]}
+
+
+def measure(ranks: Sequence[int], iters: int = 5) -> Dict[int, Dict[str, Any]]:
+    """bench on n ranks of this host, for each n (a fresh tuner probe each time)."""
+    return {n: run_ranks(bench, n, SIZES, ALGOS, iters, timeout=600, env={"PYCOLL_TUNER_CACHE": "off"})[0]
+            for n in ranks}
+
+
+def predictions(res: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
+    """Each row with the tuner's call time from its probe parameters and from the sustained ones."""
+    probe = Params.from_row(res["params"], "probe")
+    a, b, g = res["sustained"]
+    steady = Params(Link(a, b), probe.net, g, "sustained")
+    topo = Topology.from_hosts([0] * n, res["cores"])
+    out = []
+    for row in res["rows"]:
+        got = dict(row)
+        for name, p in (("probe", probe), ("sustained", steady)):
+            got[name] = Tuner(p, res["board"], res["stage"]).call_time("allreduce", row["algo"], row["bytes"], topo)
+        got["before"] = Tuner(probe, res["board"], res["stage"]).predict("allreduce", row["algo"], row["bytes"], topo)
+        out.append(got)
+    return out
+
+
+def errors(results: Dict[int, Dict[str, Any]], key: str, chosen: bool = True) -> List[float]:
+    """log(measured / predicted[key]) over the rows (the tuner's choices only, by default)."""
+    return [math.log(r["measured"] / r[key]) for n, res in results.items() for r in predictions(res, n)
+            if r["chosen"] or not chosen]
+
+
+def table(results: Dict[int, Dict[str, Any]]) -> str:
+    """Markdown: per ranks, size and algorithm, predicted (probe / sustained parameters) and measured."""
+    lines = ["| ranks | cores | size | algorithm (* chosen) | before: predict() (ms) | call_time, probe (ms) | "
+             "call_time, sustained (ms) | measured (ms) | measured / call_time (probe) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, res in results.items():
+        for r in predictions(res, n):
+            lines.append(f"| {n} | {res['cores']} | {r['bytes']} | {r['algo']}{' *' if r['chosen'] else ''} | "
+                         f"{r['before'] * 1e3:.3f} | {r['probe'] * 1e3:.3f} | {r['sustained'] * 1e3:.3f} | "
+                         f"{r['measured'] * 1e3:.3f} | {r['measured'] / r['probe']:.2f} |")
+    for key in ("before", "probe", "sustained"):
+        for chosen in (True, False):
+            e = errors(results, key, chosen)
+            lines.append(f"\n{key}, {'the chosen algorithms' if chosen else 'every algorithm'}: measured/predicted "
+                         f"geometric mean {math.exp(statistics.mean(e)):.2f}, typical factor "
+                         f"{math.exp(statistics.mean(map(abs, e))):.2f}, within 2x {sum(abs(x) <= math.log(2) for x in e)}"
+                         f"/{len(e)}")
+    notes = [f"{n} ranks: probe shm {Params.from_row(res['params'], 'p').shm.describe()}, sustained "
+             f"{Link(*res['sustained'][:2]).describe()}, reduce {1e-9 / res['sustained'][2]:.2g} GB/s "
+             f"(probe {1e-9 / res['params'][4]:.2g}); load {res['load']:.1f}" for n, res in results.items()]
+    return "\n".join(lines + [""] + notes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_single_collectives_within_2x_with_ranks_sharing_cores():
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 4 * cores:  # other jobs' runnable tasks, which the model does not know, would dominate
+        pytest.skip(f"load average {load:.1f} on {cores} cores: measured 2-6x slower at 4-8 ranks than unloaded")
+    results = measure([2, 4, 8])
+    print("\n" + table(results))
+    now, every, before = errors(results, "probe"), errors(results, "probe", False), errors(results, "before")
+    # on a machine others load too, single points swing 2-6x from run to run: the claim is for the set
+    assert math.exp(statistics.mean(map(abs, now))) <= 2.0, table(results)  # the tuner's picks: within 2x, typically
+    assert abs(statistics.mean(every)) <= math.log(2), table(results)      # and no bias beyond 2x over all algorithms
+    assert statistics.mean(map(abs, now)) < 0.5 * statistics.mean(map(abs, before)), table(results)
+
+
+if __name__ == "__main__":
+    print(table(measure([int(n) for n in sys.argv[1].split(",")] if len(sys.argv) > 1 else [2, 4, 8])))
