@@ -138,6 +138,22 @@ def test_compare_rows_arithmetic():
     assert table[2].split()[-4:] == ["1.50x", "0", "16", "-"]
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+def test_compare_names_a_job_that_fails_and_ends_the_others():
+    """A library whose ranks fail at start is an error naming its job and the cause; the other jobs,
+    launched beside it, are hung up on and end (the command returns, no process left waiting)."""
+    pytest.importorskip("mpi4py")
+    cmd = [sys.executable, "-m", "pycoll", "bench", "allreduce", "--np", "2", "--transport", "bogus", "--compare",
+           "mpi", "--sizes", "8", "--rounds", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=110,
+                          cwd=ROOT)
+    assert proc.returncode == 1
+    assert "pycoll-bogus job exited before all 2 ranks connected" in proc.stderr
+    assert "PYCOLL_TRANSPORT='bogus' is not a transport" in proc.stderr
+
+
 COMPARE_ROW = re.compile(r"^\s+(\d+) (\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x"
                          r"\s+(\d+)\s+(\d+)\s+(\S+)$")
 
@@ -167,6 +183,7 @@ def test_compare_runs_every_library_in_jobs_of_its_own(tmp_path):
     assert sorted(pids) == ["gloo", "mpi", "mpi-tcp", "pycoll-shm"] and all(len(p) == 2 for p in pids.values())
     every = [pid for p in pids.values() for pid in p] + [saved["meta"]["driver_pid"]]
     assert len(set(every)) == len(every)
+    assert saved["meta"]["waiting_cpu_s"] < 0.1 * saved["meta"]["turns_s"] + 0.1  # the waiting jobs kept still
     by_key = {(r["size"], r["library"]): r for r in saved["rows"]}
     for size, lib, t, lo, hi, cpu, busbw, ratio, wrong, offset, algo in rows:
         row, ours = by_key[int(size), lib], by_key[int(size), "pycoll-shm"]

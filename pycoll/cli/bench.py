@@ -345,8 +345,12 @@ def compare_main(args: argparse.Namespace) -> int:
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     transports = (args.transport or "auto").split(",")
-    rows = bench_compare.run(args.np, sizes, transports, peers, args.rounds, args.round_seconds, args.warmup,
-                             args.bind, args.json)
+    try:
+        rows = bench_compare.run(args.np, sizes, transports, peers, args.rounds, args.round_seconds, args.warmup,
+                                 args.bind, args.json)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     if args.plot:
         lines: Dict[str, List[Tuple[int, float]]] = {}
         for row in rows:

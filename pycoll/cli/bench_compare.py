@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
@@ -45,8 +45,9 @@ class Job:
     def fail(self, what: str) -> RuntimeError:
         self.log.flush()
         self.log.seek(0)
-        tail = self.log.read()[-3000:]
-        return RuntimeError(f"pycoll bench: {self.name} job {what} (mpirun exit {self.proc.poll()}); its output:\n{tail}")
+        text = self.log.read()
+        text = text if len(text) < 4000 else f"{text[:2000]}\n...\n{text[-2000:]}"
+        return RuntimeError(f"pycoll bench: {self.name} job {what} (mpirun exit {self.proc.poll()}); its output:\n{text}")
 
 
 def job_names(transports: List[str], peers: List[str]) -> List[str]:
@@ -54,12 +55,22 @@ def job_names(transports: List[str], peers: List[str]) -> List[str]:
     return [("pycoll" if t in ("", "auto") else f"pycoll-{t}") for t in transports] + peers
 
 
-def mpirun_command(lib: str, n: int, bind: str, port: int, transport: str, store_port: int) -> List[str]:
+def mpirun_prefix(lib: str, n: int, bind: str) -> List[str]:
     """The same launch for every library; Open MPI over TCP only differs in its MCA selection."""
     cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", bind, "-np", str(n)]
-    if lib == "mpi-tcp":
-        cmd += ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
-    return cmd + [sys.executable, WORKER, lib, str(port), "--transport", transport, "--store-port", str(store_port)]
+    return cmd + (["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"] if lib == "mpi-tcp" else [])
+
+
+def job_env() -> Dict[str, str]:
+    """The environment of every job: loopback only, this pycoll on the path, no launcher variables."""
+    env = dict(os.environ, OMPI_MCA_btl_tcp_if_include="lo", OMPI_MCA_oob_tcp_if_include="lo",
+               PYTHONPATH=os.pathsep.join([SOURCE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYCOLL_STORE_HOSTED",
+                "PYCOLL_STORE_PORT", "PYCOLL_JOB_TOKEN"):
+        env.pop(var, None)
+    return env
 
 
 def free_port() -> int:
@@ -68,20 +79,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(name: str, n: int, bind: str, timeout: float) -> Job:
+def launch(name: str, n: int, bind: str) -> Job:
     """Start one library's job; its ranks connect to a listener of its own."""
     lib, _, transport = name.partition("-") if name.startswith("pycoll") else (name, "", "")
     listener = socket.create_server(("127.0.0.1", 0), backlog=n)
-    env = dict(os.environ, OMPI_MCA_btl_tcp_if_include="lo", OMPI_MCA_oob_tcp_if_include="lo",
-               PYTHONPATH=os.pathsep.join([SOURCE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYCOLL_STORE_HOSTED",
-                "PYCOLL_STORE_PORT", "PYCOLL_JOB_TOKEN"):
-        env.pop(var, None)
     log = tempfile.TemporaryFile("w+")
-    cmd = mpirun_command(lib, n, bind, listener.getsockname()[1], transport, free_port())
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    cmd = mpirun_prefix(lib, n, bind) + [sys.executable, WORKER, lib, str(listener.getsockname()[1]),
+                                         "--transport", transport, "--store-port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env(), text=True)
     return Job(name, lib, proc, log, listener)
 
 
@@ -132,9 +137,25 @@ def summarize(replies: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
     return {"time": max(r["seconds"] for r in replies) / iters, "cpu": statistics.mean(cpu), "cpu_max": max(cpu)}
 
 
+def cpu_of(pids: List[int]) -> float:
+    """User+system CPU seconds these processes have used so far (/proc; 0 for one that is gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def measure(jobs: List[Job], sizes: List[int], rounds: int, round_seconds: float, warmup: int,
-            log: Any = None) -> Dict[int, Dict[str, Any]]:
-    """Calibrate iterations per (library, size) to about round_seconds a turn, then the rounds."""
+            log: Any = None) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, float]]:
+    """Calibrate iterations per (library, size) to about round_seconds a turn, then the rounds. Also
+    returns how much CPU the waiting jobs (workers and their mpirun) used during the timed turns:
+    it should be ~0, or the jobs disturbed each other."""
+    idle = {"waiting_cpu_s": 0.0, "turns_s": 0.0}
     out: Dict[int, Dict[str, Any]] = {s: {} for s in sizes}
     iters: Dict[Any, int] = {}
     est: Dict[Any, float] = {}
@@ -151,11 +172,15 @@ def measure(jobs: List[Job], sizes: List[int], rounds: int, round_seconds: float
             for job in jobs[turn:] + jobs[:turn]:
                 count = iters[job.name, nbytes]
                 limit = max(120.0, 50 * (count + warmup) * est[job.name, nbytes])
+                others = [pid for j in jobs if j is not job for pid in j.pids + [j.proc.pid]]
+                cpu0, t0 = cpu_of(others), time.monotonic()
                 got = summarize(command(job, nbytes, warmup, count, limit), count)
+                idle["waiting_cpu_s"] += cpu_of(others) - cpu0
+                idle["turns_s"] += time.monotonic() - t0
                 out[nbytes][job.name]["rounds"].append(got)
         if log is not None:
             print(f"# round {r + 1}/{rounds} done, load average {os.getloadavg()[0]:.2f}", file=log, flush=True)
-    return out
+    return out, idle
 
 
 def stats(cell: Dict[str, Any]) -> Dict[str, float]:
@@ -204,18 +229,20 @@ def run(n: int, sizes: List[int], transports: List[str], peers: List[str], round
     jobs: List[Job] = []
     try:
         for name in names:
-            jobs.append(launch(name, n, bind, 300))
+            jobs.append(launch(name, n, bind))
         deadline = time.monotonic() + 300
         for job in jobs:
             connect(job, n, deadline)
-        measured = measure(jobs, sizes, rounds, round_seconds, warmup, sys.stdout)
+        measured, idle = measure(jobs, sizes, rounds, round_seconds, warmup, sys.stdout)
     finally:
-        for job in jobs:
+        for job in jobs:  # quit, or hang up: a rank still waiting to be accepted or told reads an end
+            job.listener.close()
             for conn in job.conns:
                 try:
                     conn.sendall(b'{"op": "quit"}\n')
                 except OSError:
                     pass
+                conn.close()
         for job in jobs:
             try:
                 job.proc.wait(timeout=60)
@@ -230,12 +257,13 @@ def run(n: int, sizes: List[int], transports: List[str], peers: List[str], round
           f"each library in its own `mpirun --oversubscribe --bind-to {bind} -np {n}` job ({via})")
     print("# time = median over rounds of the slowest rank's mean call (min/max: over rounds); cpu/call = the "
           "ranks' mean user+sys per call; xLIB = this library's time / LIB's time (above 1: LIB faster)")
-    print(f"# {os.cpu_count()} cores; load average (1 min) {load[0][0]:.2f} at the start, {load[1][0]:.2f} at the end")
+    print(f"# {os.cpu_count()} cores; load average (1 min) {load[0][0]:.2f} at the start, {load[1][0]:.2f} at the end; "
+          f"waiting jobs used {idle['waiting_cpu_s']:.2f} CPU s during {idle['turns_s']:.1f} s of timed turns")
     print(format_table(rows, names), flush=True)
     if json_path:
         meta = {"ranks": n, "rounds": rounds, "bind": bind, "via": {job.name: job.via for job in jobs},
                 "load_start": load[0], "load_end": load[1], "cores": os.cpu_count(),
-                "pids": {job.name: sorted(job.pids) for job in jobs}, "driver_pid": os.getpid()}
+                "pids": {job.name: sorted(job.pids) for job in jobs}, "driver_pid": os.getpid(), **idle}
         with open(json_path, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     return rows

@@ -14,7 +14,9 @@ import json
 import os
 import resource
 import socket
+import sys
 import time
+import traceback
 from typing import Any, Callable, Dict, Tuple
 
 import numpy as np
@@ -95,6 +97,17 @@ def serve(lib: Library, conn: socket.socket) -> None:
 
 
 def main() -> None:
+    """Serve the driver; any error ends this process at once, so mpirun ends the job (rather than the
+    other ranks waiting in a call, or this one in MPI_Finalize)."""
+    try:
+        run()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("lib")
     ap.add_argument("driver_port", type=int)

@@ -1,0 +1,141 @@
+"""Do `pycoll bench --np N --compare`'s peer columns match the peers measured on their own?
+
+    python benchmarks/standalone_peers.py [--np 2] [--sizes 64K,1M,16M] [--peers mpi,mpi-tcp,gloo]
+                                          [--repeats 3] [--rounds 5] [--tolerance 0.15]
+
+Each repeat runs the bench once (pycoll over shm beside the peers), then each peer alone: a plain
+mpi4py or torch.distributed Gloo loop in processes that import nothing of pycoll, launched by the
+same mpirun line (same binding, same environment), on the same buffers (np.ones, in-place float32
+SUM), the same iterations per round and rounds the bench used, scored the same way (median over
+rounds of the slowest rank's mean call). Bench and standalone runs alternate, so load that drifts
+falls on both; per (peer, size) the median over repeats of each is compared. Exit status 1 if any
+bench/standalone ratio is off by more than the tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pycoll.cli import bench_compare  # noqa: E402
+from pycoll.cli.bench import parse_size  # noqa: E402
+
+LOOP = r'''
+import json, os, sys, time
+import numpy as np
+LIB, PLAN, ROUNDS, PORT = %r, %r, %r, %r
+if LIB == "gloo":
+    import torch, torch.distributed as dist
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=size)
+    wrap, allreduce, barrier = torch.from_numpy, dist.all_reduce, dist.barrier
+    def slowest(v):
+        t = torch.tensor(v, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+else:
+    from mpi4py import MPI
+    w = MPI.COMM_WORLD
+    rank, size, wrap, barrier = w.rank, w.size, (lambda x: x), w.Barrier
+    allreduce = lambda x: w.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+    def slowest(v):
+        mine, most = np.array(v), np.empty(len(v))
+        w.Allreduce(mine, most, op=MPI.MAX)
+        return most.tolist()
+out = {}
+for nbytes, iters in PLAN:
+    x = np.ones(max(nbytes // 4, 1), np.float32)
+    buf = wrap(x)
+    allreduce(buf)
+    assert (x == size).all(), f"rank {rank}: {LIB} allreduce of {nbytes} B: wrong sum"
+    x.fill(0)
+    for _ in range(2):
+        allreduce(buf)
+    means = []
+    for _ in range(ROUNDS):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            allreduce(buf)
+        means.append((time.perf_counter() - t0) / iters)
+    out[nbytes] = slowest(means)
+if rank == 0:
+    print("RESULT " + json.dumps(out), flush=True)
+if LIB == "gloo":
+    dist.destroy_process_group()
+'''
+
+
+def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds: int) -> Dict[int, float]:
+    """One plain loop job of `lib`; per size the median over rounds of the slowest rank's mean call (s)."""
+    script = LOOP % (lib, plan, rounds, bench_compare.free_port())
+    run = ["-c", script] if lib == "gloo" else ["-m", "mpi4py", "-c", script]  # mpi4py: an error aborts the job
+    cmd = bench_compare.mpirun_prefix(lib, n, bind) + [sys.executable] + run
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_compare.job_env(), timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {int(k): statistics.median(v) for k, v in json.loads(line[7:]).items()}
+    raise RuntimeError(f"standalone {lib} loop failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                       f"{proc.stderr[-2000:]}")
+
+
+def agreement(n: int, sizes: List[int], peers: List[str], repeats: int, rounds: int, round_seconds: float,
+              bind: str = "core:overload-allowed") -> List[Dict[str, float]]:
+    """Per (peer, size): the bench's and the standalone loop's medians over repeats (us), their ratio."""
+    got: Dict[Tuple[str, int, str], List[float]] = {}
+    for rep in range(repeats):
+        rows = bench_compare.run(n, sizes, ["shm"], peers, rounds, round_seconds, 1, bind)
+        for row in rows:
+            if row["library"] in peers:
+                got.setdefault((row["library"], row["size"], "bench"), []).append(row["time_us"])
+        for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
+            plan = [(r["size"], r["iters"]) for r in rows if r["library"] == peer]
+            for nbytes, seconds in standalone(peer, n, bind, plan, rounds).items():
+                got.setdefault((peer, nbytes, "alone"), []).append(seconds * 1e6)
+        print(f"# repeat {rep + 1}/{repeats} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    out = []
+    for peer in peers:
+        for nbytes in sizes:
+            b, a = (statistics.median(got[peer, nbytes, k]) for k in ("bench", "alone"))
+            out.append({"peer": peer, "size": nbytes, "bench_us": b, "alone_us": a, "ratio": b / a,
+                        "bench_runs": got[peer, nbytes, "bench"], "alone_runs": got[peer, nbytes, "alone"]})
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--sizes", default="64K,1M,16M")
+    ap.add_argument("--peers", default="mpi,mpi-tcp,gloo")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--round-seconds", type=float, default=0.1)
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    load0 = os.getloadavg()[0]
+    rows = agreement(a.np, [parse_size(s) for s in a.sizes.split(",")], a.peers.split(","), a.repeats, a.rounds,
+                     a.round_seconds)
+    print(f"\nN={a.np}: bench peer column vs standalone loop, median over {a.repeats} alternating repeats "
+          f"(load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)\n")
+    print("| peer | size | bench (us) | standalone (us) | bench/standalone | runs: bench | runs: standalone |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_runs", "alone_runs")]
+        flag = "" if abs(r["ratio"] - 1) <= a.tolerance else " (outside)"
+        print(f"| {r['peer']} | {r['size']} | {r['bench_us']:.1f} | {r['alone_us']:.1f} | {r['ratio']:.2f}{flag} | "
+              f"{runs[0]} | {runs[1]} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if all(abs(r["ratio"] - 1) <= a.tolerance for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
