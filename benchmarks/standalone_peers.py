@@ -19,7 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,7 +27,7 @@ from pycoll.cli import bench_compare  # noqa: E402
 from pycoll.cli.bench import parse_size  # noqa: E402
 
 LOOP = r'''
-import json, os, sys, time
+import json, os, resource, sys, time
 import numpy as np
 LIB, PLAN, ROUNDS, PORT = %r, %r, %r, %r
 if LIB == "gloo":
@@ -35,19 +35,22 @@ if LIB == "gloo":
     rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=size)
     wrap, allreduce, barrier = torch.from_numpy, dist.all_reduce, dist.barrier
-    def slowest(v):
+    def combine(v, op):
         t = torch.tensor(v, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 else:
     from mpi4py import MPI
     w = MPI.COMM_WORLD
     rank, size, wrap, barrier = w.rank, w.size, (lambda x: x), w.Barrier
     allreduce = lambda x: w.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-    def slowest(v):
-        mine, most = np.array(v), np.empty(len(v))
-        w.Allreduce(mine, most, op=MPI.MAX)
-        return most.tolist()
+    def combine(v, op):
+        mine, got = np.array(v, np.float64), np.empty(len(v))
+        w.Allreduce(mine, got, op=MPI.MAX if op == "max" else MPI.SUM)
+        return got.tolist()
+def cpu():
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 out = {}
 for nbytes, iters in PLAN:
     x = np.ones(max(nbytes // 4, 1), np.float32)
@@ -57,54 +60,63 @@ for nbytes, iters in PLAN:
     x.fill(0)
     for _ in range(2):
         allreduce(buf)
-    means = []
+    means, cpus = [], []
     for _ in range(ROUNDS):
         barrier()
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         for _ in range(iters):
             allreduce(buf)
         means.append((time.perf_counter() - t0) / iters)
-    out[nbytes] = slowest(means)
+        cpus.append((cpu() - c0) / iters)
+    out[nbytes] = {"time": combine(means, "max"), "cpu": [c / size for c in combine(cpus, "sum")]}
 if rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
 if LIB == "gloo":
     dist.destroy_process_group()
 '''
 
-
-def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds: int) -> Dict[int, float]:
-    """One plain loop job of `lib`; per size the median over rounds of the slowest rank's mean call (s)."""
+def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds: int) -> Dict[int, Dict[str, float]]:
+    """One plain loop job of `lib`; per size the median over rounds of the slowest rank's mean call and
+    of the ranks' mean CPU seconds per call."""
     script = LOOP % (lib, plan, rounds, bench_compare.free_port())
     run = ["-c", script] if lib == "gloo" else ["-m", "mpi4py", "-c", script]  # mpi4py: an error aborts the job
     cmd = bench_compare.mpirun_prefix(lib, n, bind) + [sys.executable] + run
     proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_compare.job_env(), timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return {int(k): statistics.median(v) for k, v in json.loads(line[7:]).items()}
+            return {int(k): {m: statistics.median(v[m]) for m in ("time", "cpu")}
+                    for k, v in json.loads(line[7:]).items()}
     raise RuntimeError(f"standalone {lib} loop failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                        f"{proc.stderr[-2000:]}")
 
 
 def agreement(n: int, sizes: List[int], peers: List[str], repeats: int, rounds: int, round_seconds: float,
-              bind: str = "core:overload-allowed") -> List[Dict[str, float]]:
-    """Per (peer, size): the bench's and the standalone loop's medians over repeats (us), their ratio."""
-    got: Dict[Tuple[str, int, str], List[float]] = {}
+              bind: str = "core:overload-allowed") -> List[Dict[str, Any]]:
+    """Per (peer, size): the bench's and the standalone loop's medians over repeats of time and CPU per
+    call (us), and their ratios."""
+    got: Dict[Tuple[str, int, str, str], List[float]] = {}
     for rep in range(repeats):
         rows = bench_compare.run(n, sizes, ["shm"], peers, rounds, round_seconds, 1, bind)
         for row in rows:
             if row["library"] in peers:
-                got.setdefault((row["library"], row["size"], "bench"), []).append(row["time_us"])
+                got.setdefault((row["library"], row["size"], "bench", "time"), []).append(row["time_us"])
+                got.setdefault((row["library"], row["size"], "bench", "cpu"), []).append(row["cpu_us"])
         for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
             plan = [(r["size"], r["iters"]) for r in rows if r["library"] == peer]
-            for nbytes, seconds in standalone(peer, n, bind, plan, rounds).items():
-                got.setdefault((peer, nbytes, "alone"), []).append(seconds * 1e6)
+            for nbytes, measured in standalone(peer, n, bind, plan, rounds).items():
+                for m in ("time", "cpu"):
+                    got.setdefault((peer, nbytes, "alone", m), []).append(measured[m] * 1e6)
         print(f"# repeat {rep + 1}/{repeats} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     out = []
     for peer in peers:
         for nbytes in sizes:
-            b, a = (statistics.median(got[peer, nbytes, k]) for k in ("bench", "alone"))
-            out.append({"peer": peer, "size": nbytes, "bench_us": b, "alone_us": a, "ratio": b / a,
-                        "bench_runs": got[peer, nbytes, "bench"], "alone_runs": got[peer, nbytes, "alone"]})
+            row: Dict[str, Any] = {"peer": peer, "size": nbytes}
+            for m in ("time", "cpu"):
+                b, a = (statistics.median(got[peer, nbytes, k, m]) for k in ("bench", "alone"))
+                row.update({f"bench_{m}_us": b, f"alone_{m}_us": a, f"{m}_ratio": b / a,
+                            f"bench_{m}_runs": got[peer, nbytes, "bench", m],
+                            f"alone_{m}_runs": got[peer, nbytes, "alone", m]})
+            out.append(row)
     return out
 
 
@@ -124,17 +136,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                      a.round_seconds)
     print(f"\nN={a.np}: bench peer column vs standalone loop, median over {a.repeats} alternating repeats "
           f"(load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)\n")
-    print("| peer | size | bench (us) | standalone (us) | bench/standalone | runs: bench | runs: standalone |")
-    print("|---|---|---|---|---|---|---|")
+    print("| peer | size | bench time (us) | standalone time (us) | **time: bench/standalone** | runs: bench | "
+          "runs: standalone | CPU/call: bench/standalone (us) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_runs", "alone_runs")]
-        flag = "" if abs(r["ratio"] - 1) <= a.tolerance else " (outside)"
-        print(f"| {r['peer']} | {r['size']} | {r['bench_us']:.1f} | {r['alone_us']:.1f} | {r['ratio']:.2f}{flag} | "
-              f"{runs[0]} | {runs[1]} |")
+        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_time_runs", "alone_time_runs")]
+        flag = "" if abs(r["time_ratio"] - 1) <= a.tolerance else " (outside)"
+        print(f"| {r['peer']} | {r['size']} | {r['bench_time_us']:.1f} | {r['alone_time_us']:.1f} | "
+              f"**{r['time_ratio']:.2f}{flag}** | {runs[0]} | {runs[1]} | "
+              f"{r['bench_cpu_us']:.1f} / {r['alone_cpu_us']:.1f} = {r['cpu_ratio']:.2f} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
-    return 0 if all(abs(r["ratio"] - 1) <= a.tolerance for r in rows) else 1
+    return 0 if all(abs(r["time_ratio"] - 1) <= a.tolerance for r in rows) else 1
 
 
 if __name__ == "__main__":
