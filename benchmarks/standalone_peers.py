@@ -7,8 +7,9 @@ Each repeat runs the bench once (pycoll over shm beside the peers), then each pe
 mpi4py or torch.distributed Gloo loop in processes that import nothing of pycoll, launched by the
 same mpirun line (same binding, same environment), on the same buffers (np.ones, in-place float32
 SUM), the same iterations per round and rounds the bench used, scored the same way (median over
-rounds of the slowest rank's mean call). Bench and standalone runs alternate, so load that drifts
-falls on both; per (peer, size) the median over repeats of each is compared. Exit status 1 if any
+rounds of the slowest rank's mean call). Bench and standalone runs alternate (bench first on even
+repeats, the loops first on odd ones, with the bench's iterations of the repeat before), so load that
+drifts falls on both; per (peer, size) the median over repeats of each is compared. Exit status 1 if any
 bench/standalone ratio is off by more than the tolerance.
 """
 from __future__ import annotations
@@ -90,22 +91,32 @@ def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds:
                        f"{proc.stderr[-2000:]}")
 
 
+def alone(got: Dict[Tuple[str, int, str, str], List[float]], plan: Dict[str, List[Tuple[int, int]]],
+          peers: List[str], rep: int, n: int, bind: str, rounds: int) -> None:
+    """Every peer's standalone loop once (the order rotating with the repeat), into `got` (us)."""
+    for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
+        for nbytes, measured in standalone(peer, n, bind, plan[peer], rounds).items():
+            for m in ("time", "cpu"):
+                got.setdefault((peer, nbytes, "alone", m), []).append(measured[m] * 1e6)
+
+
 def agreement(n: int, sizes: List[int], peers: List[str], repeats: int, rounds: int, round_seconds: float,
               bind: str = "core:overload-allowed") -> List[Dict[str, Any]]:
     """Per (peer, size): the bench's and the standalone loop's medians over repeats of time and CPU per
     call (us), and their ratios."""
     got: Dict[Tuple[str, int, str, str], List[float]] = {}
+    plan: Dict[str, List[Tuple[int, int]]] = {}
     for rep in range(repeats):
+        if rep % 2 and plan:  # odd repeats: the standalone loops first
+            alone(got, plan, peers, rep, n, bind, rounds)
         rows = bench_compare.run(n, sizes, ["shm"], peers, rounds, round_seconds, 1, bind)
+        plan = {peer: [(r["size"], r["iters"]) for r in rows if r["library"] == peer] for peer in peers}
         for row in rows:
             if row["library"] in peers:
                 got.setdefault((row["library"], row["size"], "bench", "time"), []).append(row["time_us"])
                 got.setdefault((row["library"], row["size"], "bench", "cpu"), []).append(row["cpu_us"])
-        for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
-            plan = [(r["size"], r["iters"]) for r in rows if r["library"] == peer]
-            for nbytes, measured in standalone(peer, n, bind, plan, rounds).items():
-                for m in ("time", "cpu"):
-                    got.setdefault((peer, nbytes, "alone", m), []).append(measured[m] * 1e6)
+        if not rep % 2:
+            alone(got, plan, peers, rep, n, bind, rounds)
         print(f"# repeat {rep + 1}/{repeats} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     out = []
     for peer in peers:

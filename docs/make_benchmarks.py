@@ -54,7 +54,8 @@ def ms(us: float) -> str:
 
 
 def table(runs: List[Dict[str, Any]], ours: str, peers: List[str]) -> str:
-    """Run 1's times (median, min-max over rounds) and CPU per call; every run's ratio peer/pycoll."""
+    """Run 1's times (median, min-max over rounds) and CPU per call; every run's ratio peer/pycoll and
+    the range of the round-by-round ratios."""
     cell = [{(r["size"], r["library"]): r for r in run["rows"]} for run in runs]
     sizes = sorted({r["size"] for r in runs[0]["rows"]})
     head = (f"| size | {LABELS[ours]} (min-max) | CPU/call | algorithm | "
@@ -66,8 +67,9 @@ def table(runs: List[Dict[str, Any]], ours: str, peers: List[str]) -> str:
         for p in peers:
             peer = cell[0][s, p]
             ratios = ", ".join(f"{c[s, p]['ratio'][ours]:.2f}" for c in cell)
+            rounds = [v for c in cell for v in c[s, p]["round_ratios"][ours]]
             row += [f"{ms(peer['time_us'])} ({ms(peer['min_us'])}-{ms(peer['max_us'])})", ms(peer["cpu_us"]),
-                    f"**{ratios}**"]
+                    f"**{ratios}** ({min(rounds):.2f}-{max(rounds):.2f})"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -101,7 +103,9 @@ HOW = """## How this was measured
   process (all threads; `getrusage` around the timed loop), the ranks' mean, median over rounds:
   with ranks sharing cores, that is what a collective takes from compute.
 - **Ratios** (bold) are peer time / pycoll time at the same size in the same run: above 1, pycoll is
-  faster. With `--runs 2`, the two runs' ratios are listed (run 1, run 2); the times are run 1's.
+  faster. With `--runs 2`, the two runs' ratios are listed (run 1, run 2), then in brackets the range
+  of the ratio round by round (a peer's turn against pycoll's turn of the same round, seconds
+  apart) over both runs; the times are run 1's.
   The algorithm column is what pycoll's tuner chose for that size.
 - **Peer columns checked**: `benchmarks/standalone_peers.py` times plain mpi4py and Gloo loops (no
   bench, no pycoll) under the same mpirun line and compares them with the bench's peer columns

@@ -131,6 +131,7 @@ def test_compare_rows_arithmetic():
     assert (ours["time_us"], ours["min_us"], ours["max_us"], ours["cpu_us"]) == pytest.approx((4, 2, 9, 2))
     assert (mpi["time_us"], mpi["cpu_us"], mpi["cpu_max_us"]) == pytest.approx((6, 3, 6))
     assert mpi["ratio"] == {"pycoll-shm": pytest.approx(1.5)} and ours["ratio"] == {"pycoll-shm": 1.0}
+    assert mpi["round_ratios"]["pycoll-shm"] == pytest.approx([4, 0.25, 6 / 9])
     assert ours["busbw"] == pytest.approx(1024 / 4e-6 / 1e9 * 1.5)
     table = bench_compare.format_table(rows, ["pycoll-shm", "mpi"]).splitlines()
     assert table[1].split() == ["1024", "pycoll-shm", "4.0", "2.0", "9.0", "2.0", "0.384", "1.00x", "0", "16",

@@ -192,7 +192,8 @@ def stats(cell: Dict[str, Any]) -> Dict[str, float]:
 
 
 def rows_of(measured: Dict[int, Dict[str, Any]], names: List[str], n: int) -> List[Dict[str, Any]]:
-    """One row per (size, library), with time / every pycoll job's time (above 1: pycoll faster)."""
+    """One row per (size, library), with time / every pycoll job's time (above 1: pycoll faster), as a
+    ratio of medians and round by round."""
     ours = [name for name in names if name.startswith("pycoll")]
     rows = []
     for nbytes, cells in measured.items():
@@ -203,6 +204,8 @@ def rows_of(measured: Dict[int, Dict[str, Any]], names: List[str], n: int) -> Li
                    "rounds": len(cells[name]["rounds"]),
                    "busbw": nbytes / (base[name]["time_us"] * 1e-6) / 1e9 * 2 * (n - 1) / n}
             row["ratio"] = {p: base[name]["time_us"] / base[p]["time_us"] for p in ours}
+            row["round_ratios"] = {p: [a["time"] / b["time"] for a, b in zip(cells[name]["rounds"], cells[p]["rounds"])]
+                                   for p in ours}  # turns of the same round ran close together in time
             rows.append(row)
     return rows
 
