@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -342,6 +343,10 @@ def compare_main(args: argparse.Namespace) -> int:
     if args.collective != "allreduce" or args.dtype != "float32" or args.op != "sum" or bad or args.np < 1:
         print(f"pycoll bench --np: compares allreduce, float32, sum with peers {', '.join(bench_compare.PEERS)} "
               f"(got {args.collective}, {args.dtype}, {args.op}, --np {args.np}, unknown peers {bad})", file=sys.stderr)
+        return 2
+    if shutil.which("mpirun") is None:
+        print("pycoll bench --np: launches every library with mpirun, which is not on PATH (apt-get install "
+              "openmpi-bin)", file=sys.stderr)
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     transports = (args.transport or "auto").split(",")

@@ -43,6 +43,7 @@ class Job:
     pids: List[int] = field(default_factory=list)
 
     def fail(self, what: str) -> RuntimeError:
+        """An error naming this job and what went wrong, with the head and tail of its mpirun output."""
         self.log.flush()
         self.log.seek(0)
         text = self.log.read()
