@@ -1,14 +1,15 @@
-"""`pycoll bench`: an nccl-tests-style benchmark, with Open MPI (mpi4py) and torch Gloo side by side.
+"""`pycoll bench`: an nccl-tests-style benchmark, and (with --np) pycoll beside Open MPI and torch Gloo.
 
-Run it on every rank (`pycoll run -n 4 pycoll bench allreduce ...` or under mpirun); rank 0 prints
-the table: size, count, type, redop, root, then time/algbw/busbw/#wrong out-of-place and in-place.
+Run on every rank (`pycoll run -n 4 pycoll bench allreduce ...` or under mpirun), rank 0 prints the
+table: size, count, type, redop, root, then time/algbw/busbw/#wrong out-of-place and in-place.
+With `--np N --compare mpi,mpi-tcp,gloo`, run once: it launches every library as a job of its own
+(bench_compare.py) and times in-place float32 SUM allreduce in interleaved rounds.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -154,108 +155,23 @@ def count_wrong(got: Optional[np.ndarray], want: Optional[np.ndarray]) -> int:
     return int(np.count_nonzero(got.reshape(-1).astype(np.float64) != want.reshape(-1).astype(np.float64)))
 
 
-class Peers:
-    """Open MPI (mpi4py) and torch Gloo doing the same collective, for the ratio columns."""
-
-    GLOO_IN_PLACE = {"allreduce", "broadcast", "reduce"}  # torch.distributed writes these into the input
-
-    @classmethod
-    def compare_with(cls, name: str, collective: str) -> str:
-        """Which pycoll column a peer's ratio uses: the one that does the same thing (in or out of place)."""
-        return "in" if name == "gloo" and collective in cls.GLOO_IN_PLACE else "out"
-
-    def __init__(self, comm: Any, wanted: List[str]) -> None:
-        self.mpi = self.gloo = None
-        self.notes: List[str] = []
-        if "mpi" in wanted:
-            if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-                from mpi4py import MPI
-                self.mpi = MPI.COMM_WORLD
-            else:
-                self.notes.append("mpi: skipped (run under mpirun to compare with MPI)")
-        if "gloo" in wanted:
-            try:
-                import torch.distributed as dist
-            except ImportError:
-                self.notes.append("gloo: skipped (torch not installed)")
-            else:
-                self._init_gloo(comm, dist)
-
-    def _init_gloo(self, comm: Any, dist: Any) -> None:
-        port = np.zeros(1, np.int64)
-        if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port[0] = s.getsockname()[1]
-        comm.broadcast(port, root=0)
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1") if comm.local_size != comm.size else "127.0.0.1"
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
-                                rank=comm.rank, world_size=comm.size)
-        self.gloo = dist
-
-    def mpi_call(self, case: Case, x: np.ndarray, out: np.ndarray) -> Callable[[], Any]:
-        from mpi4py import MPI
-        c, m = case.coll, self.mpi
-        if c == "allreduce":
-            return lambda: m.Allreduce(x, out, op=MPI.SUM)
-        if c == "reduce":
-            return lambda: m.Reduce(x, out, op=MPI.SUM, root=case.root)
-        if c == "broadcast":
-            return lambda: m.Bcast(x, root=case.root)
-        if c == "allgather":
-            return lambda: m.Allgather(x[:case.block], out)
-        if c == "reduce_scatter":
-            return lambda: m.Reduce_scatter_block(x, out, op=MPI.SUM)
-        return lambda: m.Alltoall(x, out)
-
-    def gloo_call(self, case: Case, x: np.ndarray, out: np.ndarray) -> Callable[[], Any]:
-        import torch
-        d, c = self.gloo, case.coll
-        tx, to = torch.from_numpy(x), torch.from_numpy(out)
-        if c == "allreduce":
-            return lambda: d.all_reduce(tx)
-        if c == "reduce":
-            return lambda: d.reduce(tx, dst=case.root)
-        if c == "broadcast":
-            return lambda: d.broadcast(tx, src=case.root)
-        if c == "allgather":
-            parts = list(to.chunk(case.n)) if case.count else [to] * case.n
-            return lambda: d.all_gather(parts, tx[:case.block])
-        if c == "reduce_scatter":
-            ins = list(tx.chunk(case.n)) if case.count else [tx] * case.n
-            return lambda: d.reduce_scatter(to, ins)
-        return lambda: d.all_to_all_single(to, tx)
-
-    def close(self) -> None:
-        if self.gloo is not None:
-            self.gloo.destroy_process_group()
-
-
-def header(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> str:
+def header(args: argparse.Namespace, comm: Any, algo: str) -> str:
     cols = ["#", f"# pycoll bench {args.collective}: {comm.size} ranks ({comm.local_size} on this host), "
                  f"transport {comm.transport.name}, algorithm {algo}, dtype {args.dtype}, op {args.op}, "
                  f"iters {args.iters}, warmup {args.warmup}, check {args.check}",
             f"# time = median over {max(1, min(args.rounds, args.iters))} rounds of the slowest rank's mean; "
             "each round times every column in turn"]
-    cols += [f"# {note}" for note in peers.notes]
-    cols += [f"# x{name} = {name} time / pycoll {'in-place' if Peers.compare_with(name, args.collective) == 'in' else 'out-of-place'} time "
-             "(like with like)" for name in peer_names(peers)]
-    extra = "".join(f" {name + '(us)':>9} {'x' + name:>7}" for name in peer_names(peers))
     cols += ["#",
              f"# {'':>62}out-of-place{'':>23}in-place",
              f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
              f"{'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
-             f"{'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}{extra}",
+             f"{'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
              f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>5} "
              f"{'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7}"]
     return "\n".join(cols)
 
 
-def peer_names(peers: Peers) -> List[str]:
-    return [name for name, peer in (("mpi", peers.mpi), ("gloo", peers.gloo)) if peer is not None]
-
-
-def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> List[Dict[str, Any]]:
+def bench_algo(args: argparse.Namespace, comm: Any, algo: str) -> List[Dict[str, Any]]:
     """Run every size for one algorithm; print rows on rank 0; return them."""
     dtype = _dtype(args.dtype)
     spec = SPECS[args.collective]
@@ -266,7 +182,7 @@ def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> 
 
     rows = []
     if comm.rank == 0:
-        print(header(args, comm, peers, algo), flush=True)
+        print(header(args, comm, algo), flush=True)
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes):
         case = Case(args.collective, nbytes, dtype, comm.size, comm.rank, max(root, 0))
         row: Dict[str, Any] = {"collective": args.collective, "algo": algo, "ranks": comm.size,
@@ -281,18 +197,13 @@ def bench_algo(args: argparse.Namespace, comm: Any, peers: Peers, algo: str) -> 
             calls[place] = pycoll_call(comm, case, x, case.out_buffer() if place == "out" else None, algo, args.op)
             wrong[i] = count_wrong(calls[place](), case.expected()) if args.check else 0
         wrong = comm.allreduce(wrong)
-        for name in peer_names(peers):
-            calls[name] = getattr(peers, f"{name}_call")(case, case.inputs(), case.out_buffer())
         with np.errstate(all="ignore"):  # repeated in-place sums may overflow; timing only
             times = time_rounds(comm.barrier, calls, args.iters, args.warmup, args.rounds, reduce_max)
         for i, place in enumerate(("out", "in")):
             row[place] = _scores(case, spec, comm.size, times[place], int(wrong[i]))
-        for name in peer_names(peers):
-            row[name] = dict(_scores(case, spec, comm.size, times[name], 0),
-                             vs=Peers.compare_with(name, args.collective))
         rows.append(row)
         if comm.rank == 0:
-            print(format_row(row, peer_names(peers)), flush=True)
+            print(format_row(row), flush=True)
     if comm.rank == 0:
         avg = np.mean([r["out"]["busbw"] for r in rows]) if rows else 0.0
         wrong = sum(r["out"]["wrong"] + r["in"]["wrong"] for r in rows)
@@ -313,17 +224,12 @@ def _scores(case: Case, spec: Spec, n: int, seconds: float, wrong: int) -> Dict[
     return {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * spec.factor(n), "wrong": wrong}
 
 
-def format_row(row: Dict[str, Any], names: List[str]) -> str:
+def format_row(row: Dict[str, Any]) -> str:
     cells = f"  {row['size']:>10} {row['count']:>12} {NCCL_TYPES.get(row['type'], row['type']):>8} " \
             f"{row['redop']:>6} {row['root']:>5}"
     for place in ("out", "in"):
         s = row[place]
         cells += f" {s['time_us']:>8.1f} {s['algbw']:>7.3f} {s['busbw']:>7.3f} {s['wrong']:>6}"
-    for name in names:
-        peer = row[name]
-        mine = row[peer["vs"]]["time_us"]
-        ratio = peer["time_us"] / mine if mine > 0 else 0.0
-        cells += f" {peer['time_us']:>9.1f} {ratio:>6.2f}x"
     return cells
 
 
@@ -334,22 +240,21 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
-    """busbw vs size, one line per library/algorithm."""
+def busbw_lines(rows: List[Dict[str, Any]]) -> Dict[str, List[Tuple[int, float]]]:
+    """Out-of-place busbw per size, one line per algorithm and transport (rows of bench_algo)."""
+    lines: Dict[str, List[Tuple[int, float]]] = {}
+    for row in rows:
+        if row["size"]:
+            lines.setdefault(f"pycoll {row['algo']} ({row['transport']})", []).append((row["size"], row["out"]["busbw"]))
+    return lines
+
+
+def plot(lines: Dict[str, List[Tuple[int, float]]], path: str, title: str) -> None:
+    """busbw vs size, one line per label (library, algorithm)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
-    lines: Dict[str, List[Tuple[int, float]]] = {}
-    for row in rows:
-        if row["size"] == 0:
-            continue
-        lines.setdefault(f"pycoll {row['algo']} ({row['transport']})", []).append(
-            (row["size"], row["out"]["busbw"]))
-        for name in ("mpi", "gloo"):
-            if name in row:
-                label = "Open MPI (mpi4py)" if name == "mpi" else "torch Gloo"
-                lines.setdefault(label, []).append((row["size"], row[name]["busbw"]))
     for label, points in lines.items():
         points = sorted(set(points))
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
@@ -379,8 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", default="sum")
     p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("--algo", default="auto", help="algorithm, comma list, or 'all'")
-    p.add_argument("--transport", default=None, help="PYCOLL_TRANSPORT for this run")
-    p.add_argument("--compare", default="", help="comma list of peers: mpi,gloo")
+    p.add_argument("--transport", default=None,
+                   help="PYCOLL_TRANSPORT for this run (with --np a comma list: one pycoll job per transport)")
+    p.add_argument("--np", type=int, default=0,
+                   help="launch N ranks per library itself and compare libraries (allreduce float32 sum in place)")
+    p.add_argument("--compare", default="", help="with --np: comma list of peers: mpi, mpi-tcp (Open MPI with "
+                   "btl tcp,self), gloo")
+    p.add_argument("--sizes", default="8,64K,1M,16M,64M", help="with --np: comma list of sizes")
+    p.add_argument("--round-seconds", type=float, default=0.1,
+                   help="with --np: about this long per library per size in a round (iterations calibrated)")
+    p.add_argument("--bind", default="core:overload-allowed", help="with --np: mpirun --bind-to for every job")
     p.add_argument("--json", default=None, help="write every row to this JSON file")
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     return p
@@ -389,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.collective = NAMES[args.collective]
+    if args.np:
+        return compare_main(args)
+    if args.compare:
+        print("pycoll bench: --compare needs --np N (each library runs in processes of its own, launched by "
+              "the bench: run it once, not under mpirun)", file=sys.stderr)
+        return 2
     if args.minbytes > args.maxbytes or args.iters < 1 or args.stepfactor < 1:
         print("pycoll bench: need -b <= -e, -n >= 1 and -f >= 1", file=sys.stderr)
         return 2
@@ -403,16 +322,43 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"pycoll bench: {args.collective} has no algorithm {algo!r} (choose from {sorted(impls)})",
                   file=sys.stderr)
             return 2
-    peers = Peers(comm, [p for p in args.compare.split(",") if p])
     rows: List[Dict[str, Any]] = []
     for algo in algos:
-        rows += bench_algo(args, comm, peers, algo)
+        rows += bench_algo(args, comm, algo)
     if comm.rank == 0:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
         if args.plot:
-            plot(rows, args.plot, f"{args.collective}, {comm.size} ranks, {args.dtype} {args.op}")
-    peers.close()
+            plot(busbw_lines(rows), args.plot, f"{args.collective}, {comm.size} ranks, {args.dtype} {args.op}")
     comm.close()
     return 0
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    """`--np N`: pycoll and the peers, each in jobs of its own (bench_compare.py)."""
+    from . import bench_compare
+    peers = [p for p in args.compare.split(",") if p]
+    bad = [p for p in peers if p not in bench_compare.PEERS]
+    if args.collective != "allreduce" or args.dtype != "float32" or args.op != "sum" or bad or args.np < 1:
+        print(f"pycoll bench --np: compares allreduce, float32, sum with peers {', '.join(bench_compare.PEERS)} "
+              f"(got {args.collective}, {args.dtype}, {args.op}, --np {args.np}, unknown peers {bad})", file=sys.stderr)
+        return 2
+    if shutil.which("mpirun") is None:
+        print("pycoll bench --np: launches every library with mpirun, which is not on PATH (apt-get install "
+              "openmpi-bin)", file=sys.stderr)
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    transports = (args.transport or "auto").split(",")
+    try:
+        rows = bench_compare.run(args.np, sizes, transports, peers, args.rounds, args.round_seconds, args.warmup,
+                                 args.bind, args.json)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.plot:
+        lines: Dict[str, List[Tuple[int, float]]] = {}
+        for row in rows:
+            lines.setdefault(row["library"], []).append((row["size"], row["busbw"]))
+        plot(lines, args.plot, f"allreduce float32 sum in place, {args.np} ranks")
+    return 0 if all(row["wrong"] == 0 for row in rows) else 1

@@ -1,0 +1,166 @@
+"""Do `pycoll bench --np N --compare`'s peer columns match the peers measured on their own?
+
+    python benchmarks/standalone_peers.py [--np 2] [--sizes 64K,1M,16M] [--peers mpi,mpi-tcp,gloo]
+                                          [--repeats 3] [--rounds 5] [--tolerance 0.15]
+
+Each repeat runs the bench once (pycoll over shm beside the peers), then each peer alone: a plain
+mpi4py or torch.distributed Gloo loop in processes that import nothing of pycoll, launched by the
+same mpirun line (same binding, same environment), on the same buffers (np.ones, in-place float32
+SUM), the same iterations per round and rounds the bench used, scored the same way (median over
+rounds of the slowest rank's mean call). Bench and standalone runs alternate (bench first on even
+repeats, the loops first on odd ones, with the bench's iterations of the repeat before), so load that
+drifts falls on both; per (peer, size) the median over repeats of each is compared. Exit status 1 if any
+bench/standalone ratio is off by more than the tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pycoll.cli import bench_compare  # noqa: E402
+from pycoll.cli.bench import parse_size  # noqa: E402
+
+LOOP = r'''
+import json, os, resource, sys, time
+import numpy as np
+LIB, PLAN, ROUNDS, PORT = %r, %r, %r, %r
+if LIB == "gloo":
+    import torch, torch.distributed as dist
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=size)
+    wrap, allreduce, barrier = torch.from_numpy, dist.all_reduce, dist.barrier
+    def combine(v, op):
+        t = torch.tensor(v, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+else:
+    from mpi4py import MPI
+    w = MPI.COMM_WORLD
+    rank, size, wrap, barrier = w.rank, w.size, (lambda x: x), w.Barrier
+    allreduce = lambda x: w.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+    def combine(v, op):
+        mine, got = np.array(v, np.float64), np.empty(len(v))
+        w.Allreduce(mine, got, op=MPI.MAX if op == "max" else MPI.SUM)
+        return got.tolist()
+def cpu():
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+out = {}
+for nbytes, iters in PLAN:
+    x = np.ones(max(nbytes // 4, 1), np.float32)
+    buf = wrap(x)
+    allreduce(buf)
+    assert (x == size).all(), f"rank {rank}: {LIB} allreduce of {nbytes} B: wrong sum"
+    x.fill(0)
+    for _ in range(2):
+        allreduce(buf)
+    means, cpus = [], []
+    for _ in range(ROUNDS):
+        barrier()
+        c0, t0 = cpu(), time.perf_counter()
+        for _ in range(iters):
+            allreduce(buf)
+        means.append((time.perf_counter() - t0) / iters)
+        cpus.append((cpu() - c0) / iters)
+    out[nbytes] = {"time": combine(means, "max"), "cpu": [c / size for c in combine(cpus, "sum")]}
+if rank == 0:
+    print("RESULT " + json.dumps(out), flush=True)
+if LIB == "gloo":
+    dist.destroy_process_group()
+'''
+
+def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds: int) -> Dict[int, Dict[str, float]]:
+    """One plain loop job of `lib`; per size the median over rounds of the slowest rank's mean call and
+    of the ranks' mean CPU seconds per call."""
+    script = LOOP % (lib, plan, rounds, bench_compare.free_port())
+    run = ["-c", script] if lib == "gloo" else ["-m", "mpi4py", "-c", script]  # mpi4py: an error aborts the job
+    cmd = bench_compare.mpirun_prefix(lib, n, bind) + [sys.executable] + run
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_compare.job_env(), timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {int(k): {m: statistics.median(v[m]) for m in ("time", "cpu")}
+                    for k, v in json.loads(line[7:]).items()}
+    raise RuntimeError(f"standalone {lib} loop failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                       f"{proc.stderr[-2000:]}")
+
+
+def alone(got: Dict[Tuple[str, int, str, str], List[float]], plan: Dict[str, List[Tuple[int, int]]],
+          peers: List[str], rep: int, n: int, bind: str, rounds: int) -> None:
+    """Every peer's standalone loop once (the order rotating with the repeat), into `got` (us)."""
+    for peer in peers[rep % len(peers):] + peers[:rep % len(peers)]:
+        for nbytes, measured in standalone(peer, n, bind, plan[peer], rounds).items():
+            for m in ("time", "cpu"):
+                got.setdefault((peer, nbytes, "alone", m), []).append(measured[m] * 1e6)
+
+
+def agreement(n: int, sizes: List[int], peers: List[str], repeats: int, rounds: int, round_seconds: float,
+              bind: str = "core:overload-allowed") -> List[Dict[str, Any]]:
+    """Per (peer, size): the bench's and the standalone loop's medians over repeats of time and CPU per
+    call (us), and their ratios."""
+    got: Dict[Tuple[str, int, str, str], List[float]] = {}
+    plan: Dict[str, List[Tuple[int, int]]] = {}
+    for rep in range(repeats):
+        if rep % 2 and plan:  # odd repeats: the standalone loops first
+            alone(got, plan, peers, rep, n, bind, rounds)
+        rows = bench_compare.run(n, sizes, ["shm"], peers, rounds, round_seconds, 1, bind)
+        plan = {peer: [(r["size"], r["iters"]) for r in rows if r["library"] == peer] for peer in peers}
+        for row in rows:
+            if row["library"] in peers:
+                got.setdefault((row["library"], row["size"], "bench", "time"), []).append(row["time_us"])
+                got.setdefault((row["library"], row["size"], "bench", "cpu"), []).append(row["cpu_us"])
+        if not rep % 2:
+            alone(got, plan, peers, rep, n, bind, rounds)
+        print(f"# repeat {rep + 1}/{repeats} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    out = []
+    for peer in peers:
+        for nbytes in sizes:
+            row: Dict[str, Any] = {"peer": peer, "size": nbytes}
+            for m in ("time", "cpu"):
+                b, a = (statistics.median(got[peer, nbytes, k, m]) for k in ("bench", "alone"))
+                row.update({f"bench_{m}_us": b, f"alone_{m}_us": a, f"{m}_ratio": b / a,
+                            f"bench_{m}_runs": got[peer, nbytes, "bench", m],
+                            f"alone_{m}_runs": got[peer, nbytes, "alone", m]})
+            out.append(row)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--sizes", default="64K,1M,16M")
+    ap.add_argument("--peers", default="mpi,mpi-tcp,gloo")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--round-seconds", type=float, default=0.1)
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    load0 = os.getloadavg()[0]
+    rows = agreement(a.np, [parse_size(s) for s in a.sizes.split(",")], a.peers.split(","), a.repeats, a.rounds,
+                     a.round_seconds)
+    print(f"\nN={a.np}: bench peer column vs standalone loop, median over {a.repeats} alternating repeats "
+          f"(load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)\n")
+    print("| peer | size | bench time (us) | standalone time (us) | **time: bench/standalone** | runs: bench | "
+          "runs: standalone | CPU/call: bench/standalone (us) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_time_runs", "alone_time_runs")]
+        flag = "" if abs(r["time_ratio"] - 1) <= a.tolerance else " (outside)"
+        print(f"| {r['peer']} | {r['size']} | {r['bench_time_us']:.1f} | {r['alone_time_us']:.1f} | "
+              f"**{r['time_ratio']:.2f}{flag}** | {runs[0]} | {runs[1]} | "
+              f"{r['bench_cpu_us']:.1f} / {r['alone_cpu_us']:.1f} = {r['cpu_ratio']:.2f} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if all(abs(r["time_ratio"] - 1) <= a.tolerance for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
