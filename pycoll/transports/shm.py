@@ -8,8 +8,9 @@ hands it in place to the receive's sink (the ring algorithms reduce straight out
 memory), so a message costs at most one copy each way. A message nobody has asked for yet waits
 in the ring, and is copied out as unexpected only when it is in the way or the receiver is about
 to sleep. Messages larger than the ring stream through it under flow control. A waiter sweeps the
-rings, yielding the CPU between sweeps, and after _SPIN seconds of fruitless sweeps (a time, not a
-count: on a crowded machine each yield can give the CPU away for milliseconds) sleeps on a unix
+rings, yielding the CPU between sweeps, and after _SPIN_SWEEPS fruitless sweeps or _SPIN seconds of
+them, whichever comes first (on a crowded machine each yield can give the CPU away for
+milliseconds) sleeps on a unix
 datagram socket (its doorbell) that peers poke after publishing data or freeing space it waits for.
 Every sweep acts on a revocation notice at the head of a ring, so a revoke reaches a spinning rank
 at once, and a sleeping one when its doorbell rings. Segment names are random per job, travel through the authenticated store and carry
@@ -67,7 +68,9 @@ _BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
 _SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
 _PIECE = 1 << 20      # bytes copied between counter updates, so a polling peer can start early
-_SPIN = 1e-3          # seconds of fruitless sweeps, each followed by a yield of the CPU, before sleeping
+_SPIN = 1e-3          # seconds of fruitless sweeps, each followed by a yield of the CPU, before sleeping ...
+_SPIN_SWEEPS = 64     # ... or this many sweeps, if sooner (a time alone spins longer on an idle core, taking
+                      # CPU from peers that share it)
 _SLICE = 0.1          # longest sleep before re-checking deadlines and whether peers are alive
 _LINGER = 5.0         # close(): how long queued sends may take to drain
 _HELLO_AT = 256       # byte offset of the token proof in the segment header and in each control block
@@ -376,17 +379,17 @@ class ShmTransport(Transport):
                 self._cond.notify_all()
 
     def _drive(self, reqs: Sequence[Request], deadline: float) -> bool:
-        """Sweep the rings until `reqs` are done: after _SPIN s of fruitless sweeps, each followed by
+        """Sweep the rings until `reqs` are done: after _SPIN_SWEEPS fruitless sweeps or _SPIN s of them, each followed by
         a yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
         faults = self.matcher.faults
         look_at = time.monotonic() + _SLICE
-        spin_until = 0.0  # when a fruitless spin phase ends (set on its first fruitless sweep)
+        spin_until, idle = 0.0, 0  # when a fruitless spin phase ends (set on its first fruitless sweep), its sweeps
         moved = self._sweep()
         while True:
             if moved:
                 if self._followers:
                     self._cond.notify_all()
-                spin_until = 0.0
+                spin_until, idle = 0.0, 0
             if all(r.done for r in reqs):
                 return True
             if self.matcher.faults != faults:  # a death or revocation: fail what it stops
@@ -403,7 +406,8 @@ class ShmTransport(Transport):
                     self._exited(peer)
             if not spin_until:
                 spin_until = now + _SPIN
-            if now < spin_until:
+            if now < spin_until and idle < _SPIN_SWEEPS:
+                idle += 1
                 self._lock.release()  # let other threads' isend/irecv, and other processes, run
                 os.sched_yield()
                 self._lock.acquire()

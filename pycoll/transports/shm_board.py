@@ -48,9 +48,11 @@ STAGE_STRIDE = STAGE_BYTES + PAGE
 STAGE_AT = BOARD_CTRL + LANES * DEPTH * SLOT_STRIDE
 BOARD_BYTES = STAGE_AT + STAGE_LANES * DEPTH * STAGE_STRIDE
 POST_TAG = -2       # the message tag that board waits are described with (algorithms use tags >= 0)
-SPIN = 1e-3         # seconds of CPU yields spent looking for late posts before the transport's wait (a time,
-                    # not a count: on a crowded machine one yield can last milliseconds, and the wait is
-                    # where revocations and deaths are noticed)
+SPIN_YIELDS = 256   # yields of the CPU spent looking for late posts before the transport's wait ...
+SPIN = 1e-3         # ... or this many seconds, if sooner: on a crowded machine one yield can last milliseconds,
+                    # and the wait is where revocations and deaths are noticed. (A time alone spins longer than
+                    # 256 yields on an idle core: with ranks sharing cores that CPU is taken from late peers;
+                    # N=4 on 2 cores, 8 B allreduce 4x slower, measured)
 # int64 indices of a lane's control block (two 64-byte lines per lane)
 _LINE = 16
 # ... and per slot the byte count, signature and offset in the slot of its post: a peer may already be
@@ -147,9 +149,10 @@ class ShmBoard(Board):
         mine[i] = b
         self._wake(self._others)
         late = [p for p in self._others if ctrls[p][at[p]] < b]  # counters before slots: load order (x86-TSO)
-        spin_until = time.monotonic() + SPIN
-        while late and time.monotonic() < spin_until:  # most posts come within a few time slices
+        spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
+        while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
             os.sched_yield()
+            spins -= 1
             while late and ctrls[late[-1]][at[late[-1]]] >= b:
                 late.pop()
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
