@@ -131,6 +131,19 @@ def agreement(n: int, sizes: List[int], peers: List[str], repeats: int, rounds: 
     return out
 
 
+def markdown(rows: List[Dict[str, Any]], tolerance: float) -> str:
+    """The agreement rows as a markdown table; a time ratio off by more than `tolerance` is marked."""
+    lines = ["| peer | size | bench time (us) | standalone time (us) | **time: bench/standalone** | runs: bench | "
+             "runs: standalone | CPU/call: bench / standalone (us) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_time_runs", "alone_time_runs")]
+        flag = "" if abs(r["time_ratio"] - 1) <= tolerance else " (outside)"
+        lines.append(f"| {r['peer']} | {r['size']} | {r['bench_time_us']:.1f} | {r['alone_time_us']:.1f} | "
+                     f"**{r['time_ratio']:.2f}{flag}** | {runs[0]} | {runs[1]} | "
+                     f"{r['bench_cpu_us']:.1f} / {r['alone_cpu_us']:.1f} = {r['cpu_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--np", type=int, default=2)
@@ -147,15 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      a.round_seconds)
     print(f"\nN={a.np}: bench peer column vs standalone loop, median over {a.repeats} alternating repeats "
           f"(load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)\n")
-    print("| peer | size | bench time (us) | standalone time (us) | **time: bench/standalone** | runs: bench | "
-          "runs: standalone | CPU/call: bench/standalone (us) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        runs = [" ".join(f"{v:.0f}" for v in r[k]) for k in ("bench_time_runs", "alone_time_runs")]
-        flag = "" if abs(r["time_ratio"] - 1) <= a.tolerance else " (outside)"
-        print(f"| {r['peer']} | {r['size']} | {r['bench_time_us']:.1f} | {r['alone_time_us']:.1f} | "
-              f"**{r['time_ratio']:.2f}{flag}** | {runs[0]} | {runs[1]} | "
-              f"{r['bench_cpu_us']:.1f} / {r['alone_cpu_us']:.1f} = {r['cpu_ratio']:.2f} |")
+    print(markdown(rows, a.tolerance))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

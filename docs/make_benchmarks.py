@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from pycoll.cli.bench import plot  # noqa: E402
+from pycoll.cli.bench import parse_size, plot  # noqa: E402
 
 LABELS = {"pycoll-shm": "pycoll (shm)", "pycoll-tcp": "pycoll (tcp)", "mpi": "Open MPI", "mpi-tcp": "Open MPI, TCP",
           "gloo": "Gloo"}
@@ -116,6 +116,22 @@ HOW = """## How this was measured
 """
 
 
+def agreement_section(sizes: str) -> str:
+    """benchmarks/standalone_peers.py at N=2: the bench's peer columns against plain loops run alone."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import standalone_peers
+    load = os.getloadavg()[0]
+    rows = standalone_peers.agreement(2, [parse_size(s) for s in sizes.split(",")], ["mpi", "mpi-tcp", "gloo"], 3, 5,
+                                      0.1)
+    inside = sum(abs(r["time_ratio"] - 1) <= 0.15 for r in rows)
+    return ("### Do the peer columns match the peers on their own?\n\n"
+            "`python benchmarks/standalone_peers.py --np 2 --sizes " + sizes + "`: the bench (pycoll over shm beside "
+            "the three peers) and plain mpi4py / torch loops under the same mpirun line, alternating, 3 repeats "
+            f"(load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end). The goal is "
+            f"bench/standalone within 15%: {inside} of {len(rows)} are.\n\n" + standalone_peers.markdown(rows, 0.15)
+            + "\n")
+
+
 def versions() -> Tuple[str, str]:
     ompi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split()[-1]
     torch = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
@@ -129,6 +145,8 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--agreement-sizes", default="8,64K,1M,16M",
+                    help="sizes of the bench-vs-standalone check at N=2 ('' skips it)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     os.environ["PYCOLL_TUNER_CACHE"] = os.path.join(tmp, "tuner")  # measured afresh, by this code
@@ -153,6 +171,8 @@ def main() -> None:
         sections.append(f"![allreduce busbw, N={n}](benchmarks_allreduce_n{n}.png)\n")
         sections.append(f"<details><summary>N={n}: the bench's own output</summary>\n\n```\n"
                         + "\n\n".join(raw) + "\n```\n</details>\n")
+    if args.agreement_sizes:
+        sections.append(agreement_section(args.agreement_sizes))
     ompi, torch = versions()
     how = HOW.format(sizes=args.sizes, rounds=args.rounds, runs=args.runs, cores=os.cpu_count(), node=platform.node(),
                      py=platform.python_version(), ompi=ompi, torch=torch, load="; ".join(loads))
