@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from netns_cluster import Cluster, unavailable
+from test_ft import _step
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable() is not None, reason=f"emulated cluster: {unavailable()}")]
@@ -47,24 +48,15 @@ def loop_through_a_cut(comm: Any, placement: List[int], cut_host: int, cut_at: i
                 f.write(repr(time.time()))
             os.replace(cut_file + ".tmp", cut_file)
         x = np.full(1 << 12, (me + 1) * (step + 1), np.float64)
-        ran_on = list(comm.group)
         try:
-            comm.allreduce(x)
-            ok = True
-        except (pycoll.PeerError, pycoll.RevokedError):
-            comm.revoke()
-            ok = False
-        try:
-            ok, dead = comm.agree(ok)
-            if dead:
-                comm = comm.shrink()
+            comm, ok, _ = _step(comm, x)
         except pycoll.PartitionError as e:
             return {"outcome": "partition", "error": str(e), "survivors": e.survivors,
                     "after": time.time() - _cut_time(cut_file)}
         if not ok:
             continue
-        expect = sum(g + 1 for g in ran_on) * (step + 1)
-        assert np.all(x == expect), (step, x[0], expect, ran_on, comm.group)
+        expect = sum(g + 1 for g in _step.ran_on) * (step + 1)
+        assert np.all(x == expect), (step, x[0], expect, _step.ran_on, comm.group)
         step += 1
     return {"outcome": "continued", "group": list(comm.group), "after": time.time() - _cut_time(cut_file)}
 
