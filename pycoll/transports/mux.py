@@ -76,25 +76,18 @@ class AutoTransport(Transport):
         on_tcp = [r for r in reqs if self._route[r.peer] is tcp]
         on_shm = [r for r in reqs if self._route[r.peer] is shm]
         deadline = time.monotonic() + timeout
-        if not on_tcp:
-            while True:
-                if shm.wait_for(on_shm, min(_TCP_TURN, max(0.0, deadline - time.monotonic()))):
-                    return True
-                tcp.progress()
-                if len(shm.matcher.revoked) != len(tcp.matcher.revoked):
-                    self._share_revocations()
-                if time.monotonic() >= deadline:
-                    return False
         while True:
-            step = min(_SLICE, max(0.0, deadline - time.monotonic()))
-            if tcp.wait_for(on_tcp, step):
-                if not on_shm:
-                    return True
-                return shm.wait_for(on_shm, max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            if not on_tcp:
+                tcp.progress()
+            elif tcp.wait_for(on_tcp, min(_SLICE, left)):
+                on_tcp = []
             if not on_shm:
                 shm.progress()
-            elif shm.wait_for(on_shm, step):
+            elif shm.wait_for(on_shm, min(_SLICE if on_tcp else _TCP_TURN, left)):
                 on_shm = []
+            if not on_tcp and not on_shm:
+                return True
             if len(shm.matcher.revoked) != len(tcp.matcher.revoked):
                 self._share_revocations()
             if time.monotonic() >= deadline:
