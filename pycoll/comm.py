@@ -65,8 +65,8 @@ class P2PWork(Work):
     sender, None until it matched), `tag` and `nbytes` those of the message."""
 
     def __init__(self, what: object, future: Any, source: Callable[[], Optional[int]], tag: int,
-                 nbytes: int) -> None:
-        super().__init__(what, future)
+                 nbytes: int, worker: Optional[Worker] = None) -> None:
+        super().__init__(what, future, worker)
         self._source_of, self.tag, self.nbytes = source, tag, nbytes
 
     @property
@@ -683,7 +683,8 @@ class Communicator:
             self._wait_p2p(req, limit, what, entry)
             return result
         work = self._p2p_worker.submit(what, finish)
-        return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes)
+        return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes,
+                       self._p2p_worker)
 
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:

@@ -14,6 +14,7 @@ import concurrent.futures
 import datetime
 import math
 import os
+import threading
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -83,62 +84,90 @@ def _as_torch_error(e: BaseException) -> BaseException:
 
 class PycollWork(dist.Work):
     """A torch Work over one or more pycoll Works (queued in order on one communicator): done when
-    the last is, then `post` (copies into torch's output tensors) runs; errors re-raise in wait()
-    and reach get_future()'s waiters."""
+    the last is, then `post` (copies into torch's output tensors) runs once; errors re-raise in
+    wait() and reach get_future()'s waiters. The torch Future is built only when asked for (DDP
+    does; a plain dist.all_reduce does not), so a call pays for no future it never uses."""
 
     def __init__(self, works: Sequence[Any], outputs: List[torch.Tensor],
                  post: Optional[Callable[[], None]] = None, error: Optional[BaseException] = None) -> None:
         super().__init__()
-        self._works, self._outputs, self._post = list(works), outputs, post
-        self._done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-        self._src: "torch.futures.Future[List[torch.Tensor]]" = torch.futures.Future()
-        self._fut = self._src.then(_unwrap)
-        if self._works:
-            self._works[-1].get_future().add_done_callback(self._finish)
-        else:
-            self._finish(None, error)
+        self._works, self._outputs, self._post = works, outputs, post
+        self._lock = threading.RLock()  # RLock: completing the future runs its callbacks, which may call us
+        self._src: "Optional[torch.futures.Future[List[torch.Tensor]]]" = None
+        self._fut: "Optional[torch.futures.Future[List[torch.Tensor]]]" = None
+        # (None,) while running; then (error or None,) once the outputs are final
+        self._state: tuple = (None,) if works else (_as_torch_error(error) if error is not None else None, True)
 
-    def _finish(self, _: Any, error: Optional[BaseException] = None) -> None:
-        try:
-            if error is not None:  # ran already, and failed
-                raise error
-            for w in self._works:  # in call order: the first error is the cause
-                w.result()
-            if self._post is not None:
-                self._post()
-        except BaseException as e:  # torch's future first: wait() returning means get_future() is done
-            e = _as_torch_error(e)
-            self._src.set_exception(e)
-            self._done.set_exception(e)
-            return
-        self._src.set_result(self._outputs)
-        self._done.set_result(self._outputs)
+    @property
+    def _finished(self) -> bool:
+        return len(self._state) == 2
+
+    def _finish(self, _: Any = None) -> None:
+        """Once the last pycoll Work is done: check them in call order (the first error is the
+        cause), run `post`, and complete the torch future if one was asked for."""
+        with self._lock:
+            if not self._finished:
+                error: Optional[BaseException] = None
+                try:
+                    for w in self._works:
+                        w.result()
+                    if self._post is not None:
+                        self._post()
+                except BaseException as e:
+                    error = _as_torch_error(e)
+                self._state = (error, True)
+            if self._src is not None and not self._src.done():
+                if self._state[0] is not None:
+                    self._src.set_exception(self._state[0])
+                else:
+                    self._src.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        try:
-            self._done.result(seconds or None)
-        except concurrent.futures.TimeoutError:
-            if self._done.done():
-                raise
-            raise TimeoutError(f"pycoll torch work was not complete after wait({seconds} s)") from None
+        if not self._finished:
+            last = self._works[-1]
+            if seconds:
+                try:
+                    last.get_future().exception(seconds)  # waits; the error itself is raised below
+                except concurrent.futures.TimeoutError:
+                    raise TimeoutError(f"pycoll torch work was not complete after wait({seconds} s)") from None
+            else:
+                try:
+                    last.wait()  # may run the queued call on this thread
+                except BaseException:  # raised below, after the earlier works are checked
+                    pass
+            self._finish()
+        if self._state[0] is not None:
+            raise self._state[0]
         return True
 
     def is_completed(self) -> bool:
-        return self._done.done()
+        if not self._finished and self._works[-1].is_completed():
+            self._finish()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.done() and self._done.exception() is None
+        return self.is_completed() and self._state[0] is None
 
     def exception(self) -> Optional[BaseException]:
-        return self._done.exception() if self._done.done() else None
+        return self._state[0] if self.is_completed() else None
 
     def result(self) -> List[torch.Tensor]:
         self.wait()
         return self._outputs
 
     def get_future(self) -> "torch.futures.Future[List[torch.Tensor]]":
-        return self._fut
+        with self._lock:
+            if self._fut is None:
+                # errors at C++ level: a then() child of the future we complete, so that a failed
+                # collective under DDP raises in backward (set_exception alone stores it as the value)
+                self._src = torch.futures.Future()
+                self._fut = self._src.then(_unwrap)
+                if self._finished:
+                    self._finish()
+                else:
+                    self._works[-1].get_future().add_done_callback(self._finish)
+            return self._fut
 
 
 def _unwrap(fut: "torch.futures.Future[Any]") -> Any:
@@ -372,9 +401,13 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def _join(self, works: List[PycollWork], outputs: List[torch.Tensor]) -> PycollWork:
-        """One Work over several of ours (each already queued in order on the communicator)."""
-        inner = [_Done(w) for w in works]
-        return PycollWork(inner, outputs)
+        """One Work over several of ours (each already queued in order on the communicator): their
+        pycoll Works in order, then each one's copy-back."""
+        failed = [w._state[0] for w in works if not w._works and w._state[0] is not None]
+        parts = [p for w in works for p in w._works]
+        if failed or not parts:
+            return PycollWork([], outputs, None, failed[0] if failed else None)
+        return PycollWork(parts, outputs, self._chain(*(w._post for w in works)))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Optional[List[int]], input_split_sizes: Optional[List[int]],
@@ -457,19 +490,6 @@ def _sender(works: Sequence[Any]) -> int:
     """The group rank that sent a completed any-source receive (torch's Work.source_rank)."""
     works[-1].wait()
     return int(works[-1].source)
-
-
-class _Done:
-    """Adapts a PycollWork to what PycollWork expects of its parts (get_future(), result())."""
-
-    def __init__(self, work: PycollWork) -> None:
-        self._work = work
-
-    def get_future(self) -> "concurrent.futures.Future[Any]":
-        return self._work._done
-
-    def result(self) -> Any:
-        return self._work._done.result()
 
 
 _world: Optional[Communicator] = None  # the default group's communicator, when the default is pycoll
