@@ -57,6 +57,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _OUTSIDE = (os.path.join(_PACKAGE_DIR, "trainer") + os.sep,)  # pycoll's own applications count as user code
 _internal: Dict[str, bool] = {}  # code file name -> inside pycoll (or torch.distributed)?
 _time = time.time
+_getframe = sys._getframe
+_user_code: Any = None  # the code of the last call site found: checked first
 
 
 def _is_internal(filename: str) -> bool:
@@ -69,14 +71,10 @@ def _is_internal(filename: str) -> bool:
     return bool(torch_dir) and path.startswith(torch_dir + os.sep)
 
 
-def _site(entry: List[Any], depth: int) -> None:
-    """Store the code object and instruction offset of the first frame outside pycoll (and torch)
-    in `entry`: the line number is worked out from them only when a dump is written (f_lineno
-    decodes the line table, which costs more than the rest of recording together)."""
-    try:
-        f: Any = sys._getframe(depth)
-    except ValueError:
-        return
+def _first_outside(f: Any) -> Any:
+    """The first frame from `f` outwards that is outside pycoll (and torch), or None; its code is
+    remembered as the likely next one (`_user_code`)."""
+    global _user_code
     known = _internal
     while f is not None:
         code = f.f_code
@@ -84,9 +82,22 @@ def _site(entry: List[Any], depth: int) -> None:
         if inside is None:
             inside = known[code.co_filename] = _is_internal(code.co_filename)
         if not inside:
-            entry[FILE], entry[LINE] = code, f.f_lasti
-            return
+            _user_code = code
+            return f
         f = f.f_back
+    return None
+
+
+def _site(entry: List[Any], depth: int) -> None:
+    """Store the code object and instruction offset of the first frame outside pycoll (and torch)
+    in `entry`: the line number is worked out from them only when a dump is written (f_lineno
+    decodes the line table, which costs more than the rest of recording together)."""
+    try:
+        f: Any = _first_outside(_getframe(depth))
+    except ValueError:
+        return
+    if f is not None:
+        entry[FILE], entry[LINE] = f.f_code, f.f_lasti
 
 
 def _line(code: Any, lasti: int) -> Optional[int]:
@@ -115,27 +126,19 @@ class Recorder:
     # -- the hot path -----------------------------------------------------------------------------
     def enter(self, seq: int, call: str, fingerprint: Tuple, algo: Any, queued: bool) -> list:
         """Record that call number `seq` was entered (QUEUED behind earlier work, or STARTED)."""
-        t = _time()
-        e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t, 0.0, None, 0, None, None]
-        # the call site, as _site() finds it, inlined (this is the hot path): the user's frame is at
-        # the nearest 3 frames up (enter, Communicator._run, the collective's method); a call from a
-        # thread that C++ started (torch's autograd engine running DDP's hook) may have fewer
+        # the call site (this is the hot path): the user's frame is usually 3 frames up (enter,
+        # Communicator._run, the collective's method), and usually the same code as last time
         try:
-            f: Any = sys._getframe(3)
-        except ValueError:
+            f: Any = _getframe(3)
+        except ValueError:  # a thread that C++ started (torch's autograd engine running DDP's hook)
             f = None
-        known = _internal
-        while f is not None:
-            code = f.f_code
-            inside = known.get(code.co_filename)
-            if inside is None:
-                inside = known[code.co_filename] = _is_internal(code.co_filename)
-            if not inside:
-                e[FILE], e[LINE] = code, f.f_lasti
-                break
-            f = f.f_back
+        if f is not None and f.f_code is not _user_code:
+            f = _first_outside(f)
+        t = _time()
         n = self._n
-        self._ring[n % self.capacity] = e
+        self._ring[n % self.capacity] = e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t,
+                                             0.0, None, 0, None, None] if f is None else \
+            [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t, 0.0, f.f_code, f.f_lasti, None, None]
         self._n = n + 1
         if self._live is not None:
             self._live[self._base + _C_ENTERED] = seq
