@@ -11,12 +11,12 @@ from .ops import bfloat16
 
 
 def _from_torch(t: Any) -> np.ndarray:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"pycoll works on CPU tensors; got a tensor on {t.device}")
     if t.requires_grad:
         t = t.detach()
-    if str(t.dtype) == "torch.bfloat16":
-        import torch
+    torch = sys.modules["torch"]
+    if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(bfloat16())
     return t.numpy()
 

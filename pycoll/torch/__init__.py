@@ -38,6 +38,10 @@ _OPS = {
 }
 
 
+_OPS_BY_VALUE = {k.value: v for k, v in _OPS.items()}
+_PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM.value
+
+
 class C10dStore(Store):
     """pycoll's Store interface over a torch c10d store (the one torch gives the backend)."""
 
@@ -214,19 +218,20 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     @staticmethod
     def _op(opts: Any) -> ReduceOp:
         red = opts.reduceOp
-        kind = getattr(red, "op", red)
-        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:  # a SUM of inputs scaled first (_premul)
+        kind = getattr(red, "op", red).value  # .value: pybind enums hash and compare slowly
+        op = _OPS_BY_VALUE.get(kind)
+        if op is not None:
+            return op
+        if kind == _PREMUL_SUM:  # a SUM of inputs scaled first (_premul)
             return ReduceOp.SUM
-        if kind not in _OPS:
-            raise ValueError(f"pycoll backend: reduce op {kind} is not supported")
-        return _OPS[kind]
+        raise ValueError(f"pycoll backend: reduce op {getattr(red, 'op', red)} is not supported")
 
     @staticmethod
     def _premul(opts: Any, t: torch.Tensor, in_place: bool) -> torch.Tensor:
         """`t` scaled by a PREMUL_SUM op's factor (a float or a 1-element tensor), as NCCL scales each
         input before summing; `t` itself for every other op."""
         red = opts.reduceOp if opts is not None else None
-        if getattr(red, "op", None) != dist.ReduceOp.RedOpType.PREMUL_SUM:
+        if red is None or getattr(red, "op", red).value != _PREMUL_SUM:
             return t
         factor = red.factor
         return t.mul_(factor) if in_place else t * factor
@@ -253,7 +258,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         op = self._op(opts) if opts is not None else ReduceOp.SUM
-        if any(t.layout == torch.sparse_coo for t in tensors):
+        if any(t.layout is torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, op)
         if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
             return self._blocking(tensors, op, opts)  # once, so run here: no hand-off to the worker thread
