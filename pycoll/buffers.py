@@ -48,5 +48,5 @@ def as_array(obj: Any, name: str = "buffer", writable: bool = True) -> np.ndarra
 
 
 def flat(arr: np.ndarray) -> np.ndarray:
-    """A 1-D view of a C-contiguous array."""
-    return arr.reshape(-1)
+    """A 1-D view of a C-contiguous array (the array itself when it is one already)."""
+    return arr if arr.ndim == 1 else arr.reshape(-1)

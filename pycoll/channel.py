@@ -38,6 +38,9 @@ class CallName:
 class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
+    __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "what", "board", "windows",
+                 "_after")
+
     def __init__(self, *, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object, board: Optional[Board] = None,
                  windows: Optional["Registry"] = None) -> None:
@@ -107,7 +110,7 @@ class Channel:
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
-        return board.exchange(arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
+        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
                               self.what, stage)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:

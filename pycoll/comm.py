@@ -153,7 +153,7 @@ class Communicator:
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
         self._check_open(collective)
-        timeout = self._deadline(timeout, collective)
+        timeout = self.timeout if timeout is None else self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
         rec, algo, self._chosen = self._recorder, self._chosen, None
@@ -180,10 +180,10 @@ class Communicator:
 
     def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
         """A Channel for the next call number: what an algorithm runs on (all ranks must call in order)."""
-        seq = next(self._seq)
-        return Channel(transport=self.transport, group=self.group, rank=self.rank, comm_id=self.comm_id,
+        seq, rank, group = next(self._seq), self._rank, self.group
+        return Channel(transport=self.transport, group=group, rank=rank, comm_id=self.comm_id,
                        seq=seq, timeout=self.timeout if timeout is None else timeout,
-                       what=CallName(collective, seq, self.name, self.rank, self.size), board=self.board,
+                       what=CallName(collective, seq, self.name, rank, len(group)), board=self.board,
                        windows=self.windows)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:

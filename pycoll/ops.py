@@ -38,6 +38,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # members are singletons compared by identity: hash them so too (Enum's own __hash__ is Python code,
+    # and ops key dicts on every call's path)
+    __hash__ = object.__hash__
+
 
 SUM, PROD, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG
 BAND, BOR, BXOR = ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR
@@ -81,7 +85,8 @@ def dtype_code(dtype: np.dtype) -> int:
 def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     """TypeError when the op does not fit the dtype (bitwise on floats, ordering on complex)."""
     dtype_code(dtype)
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
     if op in _BITWISE and dtype.kind not in "biu":
         raise TypeError(f"op {op.value} needs an integer or bool dtype, got {dtype}")
     if op in (MIN, MAX) and dtype.kind == "c":
@@ -90,10 +95,11 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
 
 def ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
     """The numpy ufunc that computes `op` on `dtype` (AVG sums: the caller divides at the end)."""
-    if dtype == np.bool_ and op in (SUM, AVG):
-        return np.logical_or
-    if dtype == np.bool_ and op == PROD:
-        return np.logical_and
+    if dtype.kind == "b":
+        if op is SUM or op is AVG:
+            return np.logical_or
+        if op is PROD:
+            return np.logical_and
     return _UFUNCS[op]
 
 

@@ -34,7 +34,7 @@ allreduce.accepts_src = True  # type: ignore[attr-defined]
 
 def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:
     """buf = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
-    flat = buf.reshape(-1)
+    flat = buf if buf.ndim == 1 else buf.reshape(-1)
     np.copyto(flat, inputs[0])
     fn = ufunc(op, buf.dtype)
     for other in inputs[1:]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 from ..errors import EnvError, TimeoutError
-from ..topology import RankInfo, detect, host_id  # noqa: F401  (host_id: re-exported)
+from ..topology import RankInfo, detect
 from .env import MPI_SOURCES, JobEnv
 from . import token as token_mod
 from .netif import select_address

@@ -35,6 +35,7 @@ class Transport(ABC):
     name = "base"
     resilient = False  # survives a dead peer (revoke, settle, restore: pycoll/ft.py); tcp, shm and auto do
     fragile_because = "it implements no revocation or agreement"  # why not, for ft.py's error
+    _matchers: Optional[Tuple[Matcher, ...]] = None  # those of _fault_domains(), once asked for
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -123,8 +124,12 @@ class Transport(ABC):
                 self.isend(memoryview(b""), peer, key)  # fails at once for a gone peer; nobody waits on it
 
     def revoked_error(self, root: int) -> Optional[RevokedError]:
-        """The error of communicator `root`'s requests if it was revoked (here or by a notice), else None."""
-        for _, matcher in self._fault_domains():
+        """The error of communicator `root`'s requests if it was revoked (here or by a notice), else None.
+        (Every call asks: the matchers are looked up once.)"""
+        matchers = self._matchers
+        if matchers is None:
+            matchers = self._matchers = tuple(m for _, m in self._fault_domains())
+        for matcher in matchers:
             if matcher.revoked:
                 error = matcher.revoked.get(root)
                 if error is not None:

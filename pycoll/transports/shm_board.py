@@ -42,7 +42,8 @@ SLOT_BYTES = 16 << 10
 STAGE_LANES = 2
 STAGE_BYTES = 2 << 20  # fewer, larger blocks: with ranks sharing cores each synchronisation costs switches
 BOARD_CTRL = 4096
-PAGE = 4096         # a post starts at its data's offset within a page of this size
+PAGE = 4096         # a post starts at its data's offset within a page of this size ...
+PAGE_FROM = 16 << 10  # ... from this many bytes on (below, at 0: the copy is short, and reading the address costs 1 us)
 SLOT_STRIDE = SLOT_BYTES + PAGE
 STAGE_STRIDE = STAGE_BYTES + PAGE
 STAGE_AT = BOARD_CTRL + LANES * DEPTH * SLOT_STRIDE
@@ -134,7 +135,7 @@ class ShmBoard(Board):
         b + DEPTH - 1. ProtocolError if a member posted another byte count or signature."""
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
-        mine_at = data.ctypes.data % PAGE
+        mine_at = data.ctypes.data % PAGE if nbytes >= PAGE_FROM else 0
         slots = self._bytes[k, stage]
         slots[self.rank][mine_at:mine_at + nbytes] = data.view(np.uint8)
         ctrls, at = self._ctrls, self._counter
