@@ -386,9 +386,7 @@ class Tuner:
         per_rank = nbytes / topo.size if collective == "allgather" else nbytes
         if algorithm == "oneshot" and (topo.nhosts > 1 or per_rank > self.board_bytes):
             return math.inf  # no board: it would run the message-based fallback
-        if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes or topo.size < 3):
-            # 2 ranks: halving-doubling moves the same bytes in one exchange each way, reducing
-            # straight out of the ring (measured here: 1 MiB 240-330 us vs two-shot 180-790 us)
+        if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes):
             return math.inf
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
