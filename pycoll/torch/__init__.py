@@ -99,12 +99,9 @@ class PycollWork(dist.Work):
         self._lock = threading.RLock()  # RLock: completing the future runs its callbacks, which may call us
         self._src: "Optional[torch.futures.Future[List[torch.Tensor]]]" = None
         self._fut: "Optional[torch.futures.Future[List[torch.Tensor]]]" = None
-        # (None,) while running; then (error or None,) once the outputs are final
-        self._state: tuple = (None,) if works else (_as_torch_error(error) if error is not None else None, True)
-
-    @property
-    def _finished(self) -> bool:
-        return len(self._state) == 2
+        # the outcome, final once _finished is set (after _error: readers check _finished first)
+        self._error: Optional[BaseException] = None if error is None else _as_torch_error(error)
+        self._finished = not works
 
     def _finish(self, _: Any = None) -> None:
         """Once the last pycoll Work is done: check them in call order (the first error is the
@@ -119,10 +116,11 @@ class PycollWork(dist.Work):
                         self._post()
                 except BaseException as e:
                     error = _as_torch_error(e)
-                self._state = (error, True)
+                self._error = error
+                self._finished = True
             if self._src is not None and not self._src.done():
-                if self._state[0] is not None:
-                    self._src.set_exception(self._state[0])
+                if self._error is not None:
+                    self._src.set_exception(self._error)
                 else:
                     self._src.set_result(self._outputs)
 
@@ -141,8 +139,8 @@ class PycollWork(dist.Work):
                 except BaseException:  # raised below, after the earlier works are checked
                     pass
             self._finish()
-        if self._state[0] is not None:
-            raise self._state[0]
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
@@ -151,10 +149,10 @@ class PycollWork(dist.Work):
         return self._finished
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._state[0] is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
-        return self._state[0] if self.is_completed() else None
+        return self._error if self.is_completed() else None
 
     def result(self) -> List[torch.Tensor]:
         self.wait()
@@ -408,7 +406,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def _join(self, works: List[PycollWork], outputs: List[torch.Tensor]) -> PycollWork:
         """One Work over several of ours (each already queued in order on the communicator): their
         pycoll Works in order, then each one's copy-back."""
-        failed = [w._state[0] for w in works if not w._works and w._state[0] is not None]
+        failed = [w._error for w in works if not w._works and w._error is not None]
         parts = [p for w in works for p in w._works]
         if failed or not parts:
             return PycollWork([], outputs, None, failed[0] if failed else None)
