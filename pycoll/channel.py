@@ -48,7 +48,7 @@ class Channel:
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
         self.board = board  # the communicator's shared-memory board, where it has one
         self.windows = windows  # the communicator's registered buffers, where it can have them
-        self._after: Dict[int, Callable[[], None]] = {}  # work to run once a request completes
+        self._after: Optional[Dict[int, Callable[[], None]]] = None  # work to run once a request completes
 
     def derive(self, *, group: Optional[Sequence[int]] = None, rank: Optional[int] = None,
                comm_id: Optional[int] = None, seq: Optional[int] = None, what: Optional[object] = None
@@ -89,6 +89,8 @@ class Channel:
                 combine(op, np.frombuffer(piece, out.dtype), other[lo:hi], out[lo:hi])
             return self.transport.irecv(byte_view(out), self.group[peer], key, code, sink=sink)
         req = self.transport.irecv(byte_view(scratch), self.group[peer], key, code)
+        if self._after is None:
+            self._after = {}
         self._after[id(req)] = lambda: combine(op, scratch, other, out)
         return req
 

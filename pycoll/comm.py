@@ -231,7 +231,7 @@ class Communicator:
 
     def _algorithm(self, collective: str, nbytes: int, algo: Optional[str]) -> Callable:
         fn = self.selector.function(collective, nbytes, self.topology, algo)
-        if algo is None and collective in _REGISTERED and self.windows is not None and self.windows.used \
+        if algo is None and self.windows is not None and self.windows.used and collective in _REGISTERED \
                 and nbytes > self.board.slot_bytes:
             # this communicator has registered buffers (every rank alike: allocation is collective): the
             # call asks every rank where its buffers are and reads them in place if all are registered
