@@ -8,7 +8,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import secrets
+import socket
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -20,6 +22,32 @@ _CTX = mp.get_context("spawn")
 
 class RankFailure(AssertionError):
     """One or more ranks raised, crashed or hung; the message holds every rank's story."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A TCP port nobody is bound to now, below the kernel's ephemeral range. A port the kernel
+    hands out on bind(0) may be handed out again, as some connection's source port, before the
+    test's launcher binds it (seen under pytest -n 2); ports below that range are only ever bound
+    on purpose."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port between {low} and {high}")
 
 
 def _child(fn: Callable, rank: int, env: Dict[str, str], init: bool, args: tuple, results) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from multiproc import run_ranks
+from multiproc import free_port, run_ranks
 from pycoll.transports import wire
 
 pytestmark = pytest.mark.timeout(150)
@@ -25,9 +25,7 @@ def _init_error(rank):
 
 
 def test_unreachable_master_addr_names_the_address():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"MASTER_PORT": str(port), "PYCOLL_STORE_HOSTED": "1", "PYCOLL_TIMEOUT": "2"}
     for name, msg, _, took in run_ranks(_init_error, 2, init=False, env=env):
         assert name == "StoreError" and f"127.0.0.1:{port}" in msg and "MASTER_ADDR" in msg

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
+
+from multiproc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,12 +127,6 @@ def assert_all_dead(pids: List[int]) -> None:
     assert [p for p in pids if alive(p)] == []
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_env_and_hosted_store(tmp_path: Path, n: int) -> None:
@@ -214,9 +209,7 @@ def test_multinode_node_0_draws_and_prints_the_token(tmp_path: Path) -> None:
         import os
         print(os.environ["RANK"], os.environ["PYCOLL_JOB_TOKEN"])
     """)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     res = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--master-port", str(port), script)
     assert res.returncode == 0, res.stderr
     printed = re.search(r"PYCOLL_JOB_TOKEN=([0-9a-f]{64}) pycoll run --nnodes 2 --node-rank R", res.stderr)

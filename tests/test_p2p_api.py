@@ -3,12 +3,11 @@ source (several senders, per-sender order, payloads past tcp's bulk threshold an
 death while one waits, a timeout), batch_isend_irecv, gatherv/scatterv, the non-collective
 subgroup, and torch's dist.recv(src=None) / dist.batch_isend_irecv on the pycoll backend."""
 import os
-import socket
 
 import numpy as np
 import pytest
 
-from multiproc import run_ranks
+from multiproc import free_port, run_ranks
 
 TRANSPORTS = ["tcp", "shm"]
 BIG = 300_000  # float32: 1.2 MB, past tcp's bulk threshold (128 KiB) and the 256 KiB ring set below
@@ -297,12 +296,6 @@ def test_auto_across_hosts_refuses_any_source_at_post_time():
 
 
 # -- torch -----------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torch_p2p(rank, size, port):
     for k in ("MASTER_ADDR", "MASTER_PORT", "PYCOLL_JOB_TOKEN", "PYCOLL_STORE_HOSTED"):
         os.environ.pop(k, None)
@@ -346,7 +339,7 @@ def _torch_p2p(rank, size, port):
 def test_torch_recv_from_any_source_and_batch_isend_irecv():
     pytest.importorskip("torch")
     size = 3
-    got = run_ranks(_torch_p2p, size, size, _free_port(), init=False, timeout=120)
+    got = run_ranks(_torch_p2p, size, size, free_port(), init=False, timeout=120)
     assert got[0]["recv"] == [(1, 1.0), (2, 2.0)] and got[0]["irecv"] == (2, [7, 8])
     for rank, res in enumerate(got):
         nxt, prv = (rank + 1) % size, (rank - 1) % size

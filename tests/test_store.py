@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from multiproc import run_ranks
+from multiproc import free_port, run_ranks
 from pycoll.bootstrap import store as store_mod
 from pycoll.bootstrap.store import FileStore, PrefixStore, TCPStore, TCPStoreServer
 from pycoll.errors import StoreError, TimeoutError
@@ -78,9 +78,7 @@ def test_wrong_token_is_refused():
 
 
 def test_unreachable_store_names_the_address():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
         TCPStore("127.0.0.1", port, timeout=1)

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from multiproc import free_port
+
 from pycoll.bootstrap import token as token_mod
 from pycoll.bootstrap.env import discover
 from pycoll.bootstrap.store import TCPStore, TCPStoreServer, _encode, _decode_fields, _recv_frame, \
@@ -31,12 +33,6 @@ JOB = os.path.join(ROOT, "tests", "token_job.py")
 STRANGER = os.path.join(ROOT, "tests", "token_stranger.py")
 MPIRUN = shutil.which("mpirun")
 JOB_TIMEOUT = 150
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict:

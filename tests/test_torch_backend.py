@@ -1,7 +1,6 @@
 """The torch.distributed backend "pycoll" (pycoll.torch) in real processes, checked against gloo:
 every rank joins a gloo world and a pycoll group over the same store and runs each call on both."""
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from multiproc import run_ranks  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 
 INT_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 FLOAT_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
@@ -351,12 +350,6 @@ def test_dead_peer_raises_through_wait():
     assert kind != "no error" and seconds < 30, value
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp(rank, size, port, steps):
     """DDP on "pycoll" and on "gloo" from the same initial model and data; returns both parameters.
     The world here is pycoll itself, reached with init_method=tcp:// (no launcher variables)."""
@@ -396,7 +389,7 @@ _KEEP = []
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_ddp_matches_gloo(size):
-    out = run_ranks(_ddp, size, size, _free_port(), 10, init=False, timeout=110)
+    out = run_ranks(_ddp, size, size, free_port(), 10, init=False, timeout=110)
     out = [{k: torch.from_numpy(v) for k, v in r.items()} for r in out]
     for rank in range(size):  # replicas agree bit for bit on each backend
         assert torch.equal(out[rank]["pycoll"], out[0]["pycoll"])
@@ -488,7 +481,7 @@ def _subgroups(rank, size, port):
 
 
 def test_new_group_reuses_the_worlds_connections():
-    out = run_ranks(_subgroups, 3, 3, _free_port(), init=False, timeout=60)
+    out = run_ranks(_subgroups, 3, 3, free_port(), init=False, timeout=60)
     for rank, (sums, seconds) in enumerate(out):
         expect = [(r, float(sum(m + 1 for m in r))) for r in ([0, 1, 2], [0, 2], [1, 2], [0, 1]) if rank in r]
         assert sums == expect, (rank, sums)
@@ -509,9 +502,7 @@ print("RESULT", t.tolist(), "pycoll.torch" in sys.modules, flush=True)
 def test_a_script_that_never_imports_pycoll_gets_the_backend_through_torchs_autoload():
     """The `torch.backends` entry point names the backend at `import torch`; pycoll.torch loads with the
     group; and a script that exits without destroy_process_group exits cleanly (rank 0 used to abort)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", _NEVER_IMPORTS_PYCOLL, str(r), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=100)[0] for p in procs]

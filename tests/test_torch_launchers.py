@@ -2,11 +2,12 @@
 started: torchrun (env://), mpirun and Slurm with MASTER_ADDR set, tcp:// and file:// by hand."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from multiproc import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -42,12 +43,6 @@ print(f"rank {rank}/{size} backend {name}: {'OK' if ok else 'WRONG'}", flush=Tru
 '''
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra):
     env = {**os.environ, "PYTHONPATH": ROOT, **extra}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYCOLL_STORE_HOSTED",
@@ -81,7 +76,7 @@ def _check(outputs, n):
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with torch")
 def test_torchrun_env_init(tmp_path):
-    proc = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    proc = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
                            _script(tmp_path), "env"], capture_output=True, text=True, env=_env(), cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,7 +87,7 @@ def test_torchrun_env_init(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (apt-get install openmpi-bin)")
 def test_mpirun_with_master_addr(tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     env = _env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
                OMPI_MCA_oob_tcp_if_include="lo")
     proc = subprocess.run([MPIRUN, "--oversubscribe", "-np", "3", "-x", "MASTER_ADDR=127.0.0.1", "-x",
@@ -104,7 +99,7 @@ def test_mpirun_with_master_addr(tmp_path):
 
 
 def test_slurm_variables_with_master_addr(tmp_path):
-    script, port, n = _script(tmp_path), str(_free_port()), 2
+    script, port, n = _script(tmp_path), str(free_port()), 2
     out = _by_hand(n, lambda r: [script, "slurm"],
                    lambda r: _env(SLURM_PROCID=str(r), SLURM_NTASKS=str(n), SLURM_LOCALID=str(r),
                                   SLURM_NTASKS_PER_NODE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
@@ -114,6 +109,6 @@ def test_slurm_variables_with_master_addr(tmp_path):
 @pytest.mark.parametrize("method", ["tcp", "file"])
 def test_tcp_and_file_init_methods(tmp_path, method):
     script, n = _script(tmp_path), 3
-    url = f"tcp://127.0.0.1:{_free_port()}" if method == "tcp" else f"file://{tmp_path / 'rendezvous'}"
+    url = f"tcp://127.0.0.1:{free_port()}" if method == "tcp" else f"file://{tmp_path / 'rendezvous'}"
     out = _by_hand(n, lambda r: [script, url, str(r), str(n)], lambda r: _env())
     _check(out, n)

@@ -1,7 +1,6 @@
 """Training through torch.distributed on backend "pycoll" in real processes: FSDP2 and DTensor against
 the same run on gloo, PREMUL_SUM, and a rank killed in the middle of DDP training."""
 import os
-import socket
 import tempfile
 import time
 
@@ -9,15 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from multiproc import run_ranks  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _world(rank, size, port, backend, timeout_s=60):
@@ -71,7 +64,7 @@ def _fsdp2(rank, size, port, backend, steps):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_fsdp2_matches_gloo(size):
-    runs = {b: run_ranks(_fsdp2, size, size, _free_port(), b, 6, init=False, timeout=200)
+    runs = {b: run_ranks(_fsdp2, size, size, free_port(), b, 6, init=False, timeout=200)
             for b in ("pycoll", "gloo")}
     full = {b: [torch.from_numpy(v) for v in out] for b, out in runs.items()}
     for b, replicas in full.items():  # every rank reassembles the same full parameters
@@ -115,7 +108,7 @@ def _dtensor(rank, size, port, backend):
 
 def test_dtensor_and_functional_collectives():
     size = 2
-    out = run_ranks(_dtensor, size, size, _free_port(), "pycoll", init=False, timeout=200)
+    out = run_ranks(_dtensor, size, size, free_port(), "pycoll", init=False, timeout=200)
     for rank, got in enumerate(out):
         assert got["local rows"] == 6 and got["replicate"] and got["shard 1"], got
         assert abs(got["matmul"] - got["expected matmul"]).max() < 1e-5
@@ -184,7 +177,7 @@ def test_rank_killed_mid_ddp_training_raises_within_5s_on_every_other_rank():
     size, victim = 3, 2
     with tempfile.TemporaryDirectory() as d:
         stamp = os.path.join(d, "died")
-        got = run_ranks(_killed, size, size, _free_port(), victim, stamp, init=False, timeout=120,
+        got = run_ranks(_killed, size, size, free_port(), victim, stamp, init=False, timeout=120,
                         expect_fail=True)
         with open(stamp) as f:
             died = float(f.read())
@@ -217,6 +210,6 @@ def _integers(rank, size, port):
 
 
 def test_integer_dtypes_gloo_lacks():
-    out = run_ranks(_integers, 2, 2, _free_port(), init=False, timeout=120)
+    out = run_ranks(_integers, 2, 2, free_port(), init=False, timeout=120)
     for rank, got in enumerate(out):
         assert all(got.values()), (rank, got)
