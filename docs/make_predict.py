@@ -149,9 +149,9 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   test skips above a load of 4 per core: other jobs' runnable tasks, which the model does not know,
   then make 4-8 ranks 2-6x slower again. In its runs at load 4.5 the tuner's picks came within 2x in
   11 and 12 of 12 points (typical factor 1.33x and 1.39x; predict() alone 7.7-8x).
-- refitted later (session 11), after small calls got 2-5x cheaper (no hand-off to the worker when the
-  caller waits at once, fewer allocations per call): `CALL_OVERHEAD` 0.25 -> 0.04 ms and `WAKE` 0.25 ->
-  0.1 ms. With the old values the model had become 2.6x pessimistic (measured/predicted 0.39). The
+- refitted later (session 11), on a quiet machine (load 1.5; the first fit came from runs at load 4.5-10)
+  and after small calls got cheaper (8 B at 4 ranks 68 -> 50 us): `CALL_OVERHEAD` 0.25 -> 0.04 ms and
+  `WAKE` 0.25 -> 0.1 ms. With the old values the model had become 2.6x pessimistic (measured/predicted 0.39). The
   refit comes from one quiet run; a second run then gave 11 of 12 picks within 2x, typical factor 1.42x.
   The table above predates the refit.
 """

@@ -318,9 +318,9 @@ def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
 BOARD_POST = 0.5
 # What a call costs as its caller sees it, beyond predict() (used for absolute figures, call_time(), not
 # for ranking): fitted on allreduce of 8 B - 4 MiB, 2-8 ranks on this 2-core machine
-# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic. Refitted after small calls
-# got cheaper (session 11: 0.25/0.25 ms had become 2.6x pessimistic; 0.04/0.1 ms: 12 of 12 chosen
-# algorithms within 2x, typical factor 1.3, on that run):
+# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic. Refitted on a quiet machine
+# after small calls got cheaper (0.25/0.25 ms, fitted at load 4.5-10, had become 2.6x pessimistic; with
+# 0.04/0.1 ms a second run had 11 of 12 chosen algorithms within 2x, typical factor 1.42):
 # - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, the hand-off to the worker) and
 #   the wait for the last rank to arrive, paid in turn by ranks that share a core;
 # - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
