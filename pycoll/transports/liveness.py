@@ -41,6 +41,12 @@ class PidWatch:
         os.close(fd)
         return peer
 
+    def wait_exit(self, peer: int, timeout: float) -> bool:
+        """Whether peer `peer`'s process exits within `timeout` s (False if it is not watched): a
+        killed process's files (its sockets) close before its exit shows on the pidfd."""
+        fd = next((f for f, p in self.fds.items() if p == peer), None)
+        return fd is not None and bool(select.select([fd], [], [], timeout)[0])
+
     def exited(self) -> List[int]:
         """The watched peers whose processes have exited since the last look (each reported once)."""
         ready = [fd for fd in self.fds if select.select([fd], [], [], 0)[0]]

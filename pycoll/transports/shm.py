@@ -68,6 +68,7 @@ _BUDGET = 256 << 20   # what all local segments together may take by default
 _PAGE = 4096          # the segment header, and each ring's control block
 _SLOT = 64            # frames start on a cache line, so a header never wraps around the ring end
 _PIECE = 1 << 20      # bytes copied between counter updates, so a polling peer can start early
+_EXIT_GRACE = 0.2    # seconds a peer whose doorbell is gone gets to show its exit (a death, not a close)
 _SPIN = 1e-3          # seconds of fruitless sweeps, each followed by a yield of the CPU, before sleeping ...
 _SPIN_SWEEPS = 64     # ... or this many sweeps, if sooner (a time alone spins longer on an idle core, taking
                       # CPU from peers that share it)
@@ -453,7 +454,9 @@ class ShmTransport(Transport):
 
     def _learn_failure(self, gone: int) -> None:
         """Local peer `gone` has no doorbell any more: before blaming it, look whether a death is the
-        root cause: one of our pidfds already fired, or `gone` closed because a rank had died."""
+        root cause: one of our pidfds already fired (waiting a moment for `gone`'s: a killed process's
+        doorbell closes before its exit shows), or `gone` closed because a rank had died."""
+        self._pids.wait_exit(gone, _EXIT_GRACE)
         for peer in self._pids.exited():
             self._exited(peer)
         closed = self._peers[gone].flags[_CLOSED]
