@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .buffers import flat
 from .errors import ProtocolError
 from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
@@ -112,7 +113,7 @@ class Channel:
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
-        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
+        return board.exchange(flat(arr), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
                               self.what, stage)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:

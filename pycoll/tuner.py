@@ -321,8 +321,8 @@ BOARD_POST = 0.5
 # (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic. Refitted on a quiet machine
 # after small calls got cheaper (0.25/0.25 ms, fitted at load 4.5-10, had become 2.6x pessimistic; with
 # 0.04/0.1 ms a second run had 11 of 12 chosen algorithms within 2x, typical factor 1.42):
-# - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, the hand-off to the worker) and
-#   the wait for the last rank to arrive, paid in turn by ranks that share a core;
+# - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, for async calls the hand-off to
+#   the worker) and the wait for the last rank to arrive, paid in turn by ranks that share a core;
 # - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
 #   doorbell, and the sender must first get a core: every message waits about a scheduling turn per
 #   rank beyond the cores. (Ranking with it picked recursive doubling for 4 MiB on 3-8 ranks, measured
@@ -345,9 +345,10 @@ def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> Li
 
 
 def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
-    """One post per stage-sized block and one after the last. A rank copies its input in and the result out: 2 copies of
-    nbytes, what a message of nbytes costs end to end (the sender's copy and the receiver's), so
-    nbytes arrive at each rank; it reduces (n-1)/n of nbytes straight out of the others' slots."""
+    """One post per stage-sized block and one after the last. A rank copies its input in and the
+    result out: 2 copies of nbytes, what a message of nbytes costs end to end (the sender's copy and
+    the receiver's), so nbytes arrive at each rank; it reduces (n-1)/n of nbytes straight out of the
+    others' slots."""
     blocks = max(1, math.ceil(nbytes / stage_bytes))
     per_pair = nbytes / (n - 1)
     pairs = [(a, b, per_pair) for a in range(n) for b in range(n) if a != b]

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ..buffers import flat
 from ..channel import Channel
 from ..ops import ReduceOp, ufunc
 from . import barrier as dissemination
@@ -34,11 +35,11 @@ allreduce.accepts_src = True  # type: ignore[attr-defined]
 
 def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:
     """buf = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
-    flat = buf if buf.ndim == 1 else buf.reshape(-1)
-    np.copyto(flat, inputs[0])
+    out = flat(buf)
+    np.copyto(out, inputs[0])
     fn = ufunc(op, buf.dtype)
     for other in inputs[1:]:
-        fn(flat, other, out=flat)
+        fn(out, other, out=out)
 
 
 def reduce(ch: Channel, buf: np.ndarray, op: ReduceOp, root: int) -> None:

@@ -134,11 +134,11 @@ class Recorder:
             f = None
         if f is not None and f.f_code is not _user_code:
             f = _first_outside(f)
+        code, lasti = (None, 0) if f is None else (f.f_code, f.f_lasti)
         t = _time()
         n = self._n
         self._ring[n % self.capacity] = e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t,
-                                             0.0, None, 0, None, None] if f is None else \
-            [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t, 0.0, f.f_code, f.f_lasti, None, None]
+                                             0.0, code, lasti, None, None]
         self._n = n + 1
         if self._live is not None:
             self._live[self._base + _C_ENTERED] = seq

@@ -10,16 +10,15 @@ in the ring, and is copied out as unexpected only when it is in the way or the r
 to sleep. Messages larger than the ring stream through it under flow control. A waiter sweeps the
 rings, yielding the CPU between sweeps, and after _SPIN_SWEEPS fruitless sweeps or _SPIN seconds of
 them, whichever comes first (on a crowded machine each yield can give the CPU away for
-milliseconds) sleeps on a unix
-datagram socket (its doorbell) that peers poke after publishing data or freeing space it waits for.
-Every sweep acts on a revocation notice at the head of a ring, so a revoke reaches a spinning rank
-at once, and a sleeping one when its doorbell rings. Segment names are random per job, travel through the authenticated store and carry
-token HMACs; each segment is unlinked as soon as every peer has mapped it, so nothing is left in
-/dev/shm after close() or kill -9. Between the header and the rings each segment has a board
-(shm_board.py): lanes where single-host communicators run small collectives without messages, and
-stages where they run large allreduces two-shot.
-A sleeper also polls a pidfd per local peer: a peer that exits
-without marking its segment closed died, and every pending request then fails naming it (as tcp).
+milliseconds), sleeps on a unix datagram socket (its doorbell) that peers poke after publishing
+data or freeing space it waits for. Every sweep acts on a revocation notice at the head of a ring,
+so a revoke reaches a spinning rank at once, and a sleeping one when its doorbell rings. Segment
+names are random per job, travel through the authenticated store and carry token HMACs; each
+segment is unlinked as soon as every peer has mapped it, so nothing is left in /dev/shm after
+close() or kill -9. Between the header and the rings each segment has a board (shm_board.py): lanes
+where single-host communicators run small collectives without messages, and stages where they run
+large allreduces two-shot. A sleeper also polls a pidfd per local peer: a peer that exits without
+marking its segment closed died, and every pending request then fails naming it (as tcp).
 
 Memory ordering: the rings and the board rely on x86-64's total store order (TSO), with no fence of
 their own. A writer copies the payload, then stores the head counter (an aligned int64, one store);
@@ -380,8 +379,9 @@ class ShmTransport(Transport):
                 self._cond.notify_all()
 
     def _drive(self, reqs: Sequence[Request], deadline: float) -> bool:
-        """Sweep the rings until `reqs` are done: after _SPIN_SWEEPS fruitless sweeps or _SPIN s of them, each followed by
-        a yield of the CPU, sleep on the doorbell (lock held, released while yielding or sleeping)."""
+        """Sweep the rings until `reqs` are done: after _SPIN_SWEEPS fruitless sweeps or _SPIN s of
+        them, each followed by a yield of the CPU, sleep on the doorbell (lock held, released while
+        yielding or sleeping)."""
         faults = self.matcher.faults
         look_at = time.monotonic() + _SLICE
         spin_until, idle = 0.0, 0  # when a fruitless spin phase ends (set on its first fruitless sweep), its sweeps
