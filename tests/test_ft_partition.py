@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from netns_cluster import Cluster, unavailable
-from test_ft import _step
+from test_ft import _marked_at, _step
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable() is not None, reason=f"emulated cluster: {unavailable()}")]
@@ -25,11 +25,7 @@ HEARTBEAT = 2.0  # s of silence before a tcp peer counts as dead
 
 def _cut_time(path: str) -> float:
     """When the link went down (wall clock: the namespaces share it), as the cutting rank wrote it."""
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with open(path) as f:
-        return float(f.read())
+    return _marked_at(os.path.dirname(path), os.path.basename(path))
 
 
 def loop_through_a_cut(comm: Any, placement: List[int], cut_host: int, cut_at: int, steps: int,
