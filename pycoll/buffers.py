@@ -11,6 +11,10 @@ from .ops import bfloat16
 
 
 def _from_torch(t: Any) -> np.ndarray:
+    try:  # the common case in one call: fewer torch entry points run cold after a large call
+        return t.numpy()
+    except (TypeError, RuntimeError):  # another device, requires_grad, bfloat16, ...: checked below
+        pass
     if not t.is_cpu:
         raise ValueError(f"pycoll works on CPU tensors; got a tensor on {t.device}")
     if t.requires_grad:

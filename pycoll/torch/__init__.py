@@ -40,6 +40,7 @@ _OPS = {
 
 _OPS_BY_VALUE = {k.value: v for k, v in _OPS.items()}
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM.value
+_SPARSE = torch.sparse_coo
 
 
 class C10dStore(Store):
@@ -254,10 +255,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return run
 
     # -- reductions -----------------------------------------------------------------------------
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Optional[PycollWork]:
         op = self._op(opts) if opts is not None else ReduceOp.SUM
-        if any(t.layout is torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, op)
+        for t in tensors:
+            if t.layout is _SPARSE:
+                return self._sparse_allreduce(tensors, op)
         if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
             return self._blocking(tensors, op, opts)  # once, so run here: no hand-off to the worker thread
         works, posts = [], []
@@ -268,9 +270,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
 
-    def _blocking(self, tensors: List[torch.Tensor], op: ReduceOp, opts: Any) -> PycollWork:
-        """allreduce on this thread (behind any queued work, in call order); an already finished Work."""
-        error = None
+    def _blocking(self, tensors: List[torch.Tensor], op: ReduceOp, opts: Any) -> Optional[PycollWork]:
+        """allreduce on this thread (behind any queued work, in call order). None once it succeeded:
+        torch's wrapper then has nothing to wait on (as for a backend that syncs in C++), and a call
+        builds no Work, which costs tens of microseconds with caches cold after a large call; a
+        finished Work that re-raises in wait() if it failed."""
         try:
             for t in tensors:
                 buf, back = self._contig(t)
@@ -278,8 +282,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 if back is not None:
                     back()
         except BaseException as e:  # wait() re-raises it, as for an async call
-            error = e
-        return PycollWork([], tensors, None, error)
+            return PycollWork([], tensors, None, e)
+        return None
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp) -> PycollWork:
         """SUM of sparse COO tensors, as gloo does it: every rank gathers all ranks' (indices, values)
