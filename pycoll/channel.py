@@ -4,7 +4,7 @@ Algorithms call only this, so they never see sockets, transports or global rank 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -104,17 +104,20 @@ class Channel:
                 if then is not None:
                     then()
 
-    def board_exchange(self, arr: np.ndarray, sig: int = 0, stage: bool = False) -> Optional[List[np.ndarray]]:
+    def board_exchange(self, arr: np.ndarray, sig: int = 0, stage: bool = False,
+                       hole: Tuple[int, int] = (0, 0)) -> Optional[List[np.ndarray]]:
         """Every rank's `arr` (same size and dtype everywhere), in rank order, through the transport's
         shared-memory board (with `stage`, its large stage slots); None where there is none or `arr`
         does not fit its slots (the same on every rank). `sig` says what the call is (collective, op,
         root): a rank whose peers posted another size, dtype or signature raises ProtocolError. The
-        arrays view shared memory: read them before this communicator's next call but one."""
+        arrays view shared memory: read them before this communicator's next call but one. Elements
+        [hole[0], hole[1]) of `arr` are not posted: this rank writes them into its own view itself."""
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
+        size = arr.itemsize
         return board.exchange(flat(arr), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
-                              self.what, stage)
+                              self.what, stage, (hole[0] * size, hole[1] * size))
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

@@ -345,12 +345,12 @@ def oneshot_pattern(collective: str, nbytes: float, n: int, root: int = 0) -> Li
 
 
 def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
-    """One post per stage-sized block and one after the last. A rank copies its input in and the
-    result out: 2 copies of nbytes, what a message of nbytes costs end to end (the sender's copy and
-    the receiver's), so nbytes arrive at each rank; it reduces (n-1)/n of nbytes straight out of the
-    others' slots."""
+    """One post per stage-sized block and one after the last. A rank copies the others' shares of its
+    input in, its own reduced share in, and the others' reduced shares out: (2n-1)/n copies of nbytes,
+    what a message of (2n-1)/2n of nbytes costs end to end (the sender's copy and the receiver's);
+    it reduces (n-1)/n of nbytes, its own share, out of the others' slots."""
     blocks = max(1, math.ceil(nbytes / stage_bytes))
-    per_pair = nbytes / (n - 1)
+    per_pair = nbytes * (2 * n - 1) / (2 * n) / (n - 1)
     pairs = [(a, b, per_pair) for a in range(n) for b in range(n) if a != b]
     return [Round((blocks + 1) * BOARD_POST, pairs, (n - 1) * nbytes / n)]
 

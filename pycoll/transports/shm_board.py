@@ -128,16 +128,23 @@ class ShmBoard(Board):
         self.calls = 0
 
     def exchange(self, data: np.ndarray, sig: int, order: Sequence[int], timeout: float,
-                 what: object, stage: bool = False) -> List[np.ndarray]:
+                 what: object, stage: bool = False, hole: Tuple[int, int] = (0, 0)) -> List[np.ndarray]:
         """Post `data` (flat, at most slot_bytes, or stage_bytes into a stage slot) with signature
         `sig`, wait until every member has posted this call, and return the members' arrays in `order`
         (global ranks): writable views into their slots that stay valid until this rank's call
-        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature."""
+        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature. The bytes
+        [hole[0], hole[1]) of `data` are not copied into this rank's slot (its owner fills them)."""
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
         mine_at = data.ctypes.data % PAGE if nbytes >= PAGE_FROM else 0
         slots = self._bytes[k, stage]
-        slots[self.rank][mine_at:mine_at + nbytes] = data.view(np.uint8)
+        raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
+        h0, h1 = hole
+        if h1 > h0:
+            slot[:h0] = raw[:h0]
+            slot[h1:] = raw[h1:]
+        else:
+            slot[:] = raw
         ctrls, at = self._ctrls, self._counter
         words = 2 * k - _POSTED  # from a lane's counter to this slot's byte count and signature
         where = _AT + k - _POSTED  # ... and to its offset in the slot
