@@ -52,7 +52,7 @@ COMBOS = [("float32", "sum"), ("float64", "max"), ("int32", "bxor"), ("int64", "
 
 def run_matrix(comm, collectives: Tuple[str, ...], big: bool) -> Dict[str, object]:
     """Run every case on this rank; return {'checked': k, 'failures': [...], 'digests': [...]}."""
-    n, r = comm.size, comm.rank
+    n = comm.size
     failures: List[str] = []
     digests: List[str] = []
     checked = 0

@@ -4,7 +4,6 @@ is bound to its index. Forced on loopback here (auto opens one stream on a host)
 cluster (test_emulated_cluster.py) shows the rate it buys under a per-flow cap."""
 import secrets
 
-import numpy as np
 import pytest
 
 from collective_cases import run_matrix
