@@ -39,6 +39,8 @@ PROBE_BIG = 1 << 20
 PROBE_STRIPED = 2 << 20  # one stream against all of them: 4 parts of PYCOLL_TCP_STRIPE_MIN's default
 PROBE_SMALL_REPS, PROBE_BIG_REPS = 8, 3
 BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
+# a best 8-byte shm round trip of over 2 ms is the scheduler, not the link (10-60 us here, 2-8 ranks)
+SHM_ALPHA_MAX = 1e-3
 FLOW = "flow"  # one stream between hosts, measured with the net link
 COLUMNS = {SHM: (0, 1), NET: (2, 3), FLOW: (5, 6)}  # where each link's alpha and beta sit in Params.row()
 STREAMS = 7  # the calibration table's column of streams the net pair holds (after Params.row())
@@ -186,6 +188,19 @@ def ping_pong_widths(ch: Channel, me: int, peer: int, tag: int, big_bytes: int, 
     return [Link(rtt / 2, max((best[(big.nbytes, w)] - rtt) / big.nbytes, BETA_FLOOR)) for w in widths]
 
 
+def plausible(cls: str, link: Link, base: Link) -> Optional[Link]:
+    """None if the probe of `cls` cannot have measured the link: over shm, an alpha above
+    SHM_ALPHA_MAX means neither rank of the pair got a core for the whole probe (a busy machine).
+    Kept, such a probe made a whole job run binomial for 16-64 MiB (fewest messages wins when a
+    message seems to cost milliseconds), 2.6x slower than two-shot."""
+    if cls == SHM and link.alpha > SHM_ALPHA_MAX:
+        tuner.log.warning("pycoll: the shm probe measured %.0f us per message, which is this machine's "
+                          "scheduling, not its memory; the tuner uses the default %.0f us instead",
+                          link.alpha * 1e6, base.alpha * 1e6)
+        return None
+    return link
+
+
 def probe_net(ch: Channel, me: int, peer: int, tag: int, striping: Optional[Striping]
               ) -> Tuple[Optional[Link], Optional[Link]]:
     """(link, one flow) between two hosts, measured by the lead of the pair (None, None on the other
@@ -238,6 +253,8 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
                 link, flow = probe_net(ch, rank, peer, 100 * k, striping)
             else:
                 link = flow = ping_pong(ch, rank, peer, 100 * k)
+                if link is not None:
+                    link = flow = plausible(cls, link, base.shm)  # None: the default stays, nothing cached
             if link is not None and flow is not None:
                 cache_put(keys[cls], link)
                 mine[list(COLUMNS[cls])] = (link.alpha, link.beta)

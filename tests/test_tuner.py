@@ -185,6 +185,38 @@ def test_cache_round_trip_and_expiry(monkeypatch, tmp_path):
     assert calibration.cache_dir() is None and calibration.cache_get("k2") is None
 
 
+def test_an_shm_probe_slower_than_any_memory_is_dropped_for_the_default(caplog):
+    """Over shm a best round trip of milliseconds is the scheduler (a busy machine), not the link:
+    the probe is dropped with a warning; a slow network is kept as measured."""
+    slow = Link(3e-3, 1e-10)
+    with caplog.at_level(logging.WARNING, logger="pycoll.tuner"):
+        assert calibration.plausible("shm", slow, DEFAULT.shm) is None
+    assert "3000 us per message" in caplog.text
+    assert calibration.plausible("shm", Link(2e-5, 1e-10), DEFAULT.shm) == Link(2e-5, 1e-10)
+    assert calibration.plausible("net", slow, DEFAULT.net) == slow
+
+
+def _calibrate_with_a_stalled_probe(comm):
+    from pycoll import calibration as cal
+    real = cal.ping_pong
+
+    def stalled(ch, me, peer, tag, big_bytes=cal.PROBE_BIG):
+        link = real(ch, me, peer, tag, big_bytes)
+        return None if link is None else Link(5e-3, link.beta)  # as if every round trip waited 10 ms
+    cal.ping_pong = stalled
+    comm.calibrate()
+    p = comm.selector.tuner.params
+    return p.shm, p.source, comm.selector.choose("allreduce", 16 << 20, comm.size, None, comm.topology)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_shm_probe_leaves_the_default_and_two_shot_for_large_calls():
+    """Kept, such a probe sent 16-64 MiB to binomial for a whole job (docs/benchmarks.md, session 12)."""
+    got = run_ranks(_calibrate_with_a_stalled_probe, 2, env={"PYCOLL_TRANSPORT": "shm", "PYCOLL_TUNER_CACHE": "off"})
+    for shm, source, pick in got:
+        assert shm == DEFAULT.shm and source == "probe" and pick == "twoshot", got
+
+
 def test_cache_entries_of_other_code_are_never_reused(monkeypatch, tmp_path):
     """The key holds the package version and a hash of tuner.py and calibration.py."""
     import pycoll
