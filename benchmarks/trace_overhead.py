@@ -2,14 +2,16 @@
 
     python -m pycoll run -n 2 benchmarks/trace_overhead.py [--rounds 15] [--calls8 400] [--calls1m 40]
 
-The world communicator records (the default ring; under `pycoll run` PYCOLL_TRACE_DIR is set, so
-the live file is updated too); every rank makes one duplicate of it with PYCOLL_TRACE_BUFFER=0
+The world communicator records (the default ring; under `pycoll run` PYCOLL_TRACE_DIR is set, so the
+live file is updated too); every rank makes one duplicate of it with PYCOLL_TRACE_BUFFER=0
 (recording off). Only the first two board lanes a process opens have a stage (two-shot's), so a
-second duplicate would run another algorithm above a slot: the table names the algorithm each side ran. Each round times a batch of calls on one, then on the other, the order
-alternating round by round, so drift in the machine's load hits both alike. Rank 0 prints, per size,
-the median over rounds of the batch's mean call time, the spread (25th-75th percentile of the rounds),
-on/off of the medians, and the median of the rounds' on/off ratios (each on batch against the off
-batch next to it, which cancels slow drift in a noisy machine's load). A second table times the recording alone (enter + complete, call site included) in a loop.
+second duplicate would run another algorithm above a slot: the table names the algorithm each side
+ran. Each round times a batch of calls on one, then on the other, the order alternating round by
+round, so drift in the machine's load hits both alike. Rank 0 prints, per size, the median over
+rounds of the batch's mean call time, the spread (25th-75th percentile of the rounds), on/off of the
+medians, and the median of the rounds' on/off ratios (each on batch against the off batch next to
+it, which cancels slow drift in a noisy machine's load). A second table times the recording alone
+(enter + complete, call site included) in a loop.
 """
 from __future__ import annotations
 
@@ -93,8 +95,8 @@ def main() -> None:
             q = statistics.quantiles(ratios, n=4)
             label = "8 B" if nbytes == 8 else "1 MiB"
             ran = algos[nbytes]
-            print(f"| {label} | {ran['off']}, {ran['on']} | {m_off * 1e6:.1f} ({_quartiles(runs['off'])}) | {m_on * 1e6:.1f} "
-                  f"({_quartiles(runs['on'])}) | {m_on / m_off:.3f} | {statistics.median(ratios):.3f} "
+            print(f"| {label} | {ran['off']}, {ran['on']} | {m_off * 1e6:.1f} ({_quartiles(runs['off'])}) "
+                  f"| {m_on * 1e6:.1f} ({_quartiles(runs['on'])}) | {m_on / m_off:.3f} | {statistics.median(ratios):.3f} "
                   f"({q[0]:.3f}-{q[2]:.3f}) |")
         alone = statistics.median(_record_alone(20000) for _ in range(5))
         print(f"\nrecording alone (enter + complete, call site included): {alone * 1e9:.0f} ns per call")

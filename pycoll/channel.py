@@ -115,9 +115,8 @@ class Channel:
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
-        size = arr.itemsize
         return board.exchange(flat(arr), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
-                              self.what, stage, (hole[0] * size, hole[1] * size))
+                              self.what, stage, hole)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

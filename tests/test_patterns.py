@@ -57,7 +57,6 @@ four sizes) is marked slow.
 """
 import collections
 import os
-import math
 
 import numpy as np
 import pytest
@@ -181,7 +180,7 @@ def _instrument(comm, rec):
     real_exchange = shm_board.ShmBoard.exchange
 
     def exchange(self, data, sig, order, timeout, what, stage=False, hole=(0, 0)):
-        rec["posts"].append((rec["phase"], data.nbytes - (hole[1] - hole[0]), stage))
+        rec["posts"].append((rec["phase"], data.nbytes - (hole[1] - hole[0]) * data.itemsize, stage))
         arrays = real_exchange(self, data, sig, order, timeout, what, stage, hole)
         rec["phase"] += 1
         return _Slots(arrays, rec)

@@ -55,7 +55,7 @@ class Board(ABC):
                  stage: bool = False, hole: Tuple[int, int] = (0, 0)) -> List[np.ndarray]:
         """Post `data` with the opaque 64-bit signature `sig`, wait for every member's post of this
         call, and return the members' arrays in `order`; ProtocolError if a member posted another
-        byte count or signature. The bytes [hole[0], hole[1]) of `data` are not copied: the slot
+        byte count or signature. The elements [hole[0], hole[1]) of `data` are not copied: the slot
         holds there whatever its owner writes into it (through the view this call returns)."""
 
 

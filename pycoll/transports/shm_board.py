@@ -132,7 +132,7 @@ class ShmBoard(Board):
         """Post `data` (flat, at most slot_bytes, or stage_bytes into a stage slot) with signature
         `sig`, wait until every member has posted this call, and return the members' arrays in `order`
         (global ranks): writable views into their slots that stay valid until this rank's call
-        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature. The bytes
+        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature. The elements
         [hole[0], hole[1]) of `data` are not copied into this rank's slot (its owner fills them)."""
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
@@ -140,7 +140,8 @@ class ShmBoard(Board):
         slots = self._bytes[k, stage]
         raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
         h0, h1 = hole
-        if h1 > h0:
+        if h1 > h0:  # in bytes from here
+            h0, h1 = h0 * data.itemsize, h1 * data.itemsize
             slot[:h0] = raw[:h0]
             slot[h1:] = raw[h1:]
         else:
