@@ -12,6 +12,7 @@ Under `pycoll run`, torch's store binds MASTER_PORT and pycoll's launcher store 
 """
 import argparse
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,10 @@ def main() -> None:
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     print(f"[{args.backend}] rank {rank}/{size}: parameters sha256 {digest}, test accuracy {accuracy:.3f}",
           flush=True)
-    if args.backend == "pycoll":  # gloo: none, torch 2.13's gloo teardown can abort ("terminate called without
-        dist.destroy_process_group()  # an active exception"); the exit closes it
+    if args.backend == "pycoll":
+        dist.destroy_process_group()
+    else:  # torch 2.13's gloo teardown can abort ("terminate called without an active exception"), with or
+        os._exit(0)  # without destroy_process_group: leave before it runs (the output is flushed above)
 
 
 if __name__ == "__main__":
