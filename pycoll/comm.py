@@ -159,20 +159,12 @@ class Communicator:
         rec, algo, self._chosen = self._recorder, self._chosen, None
         with self._seq_lock:
             ch = self.channel(collective, timeout)
-            busy = self._inflight > 0
-            if async_op or busy:  # behind queued async work, blocking calls queue too: call order holds
+            queued = async_op or self._inflight > 0  # behind queued async work, blocking calls queue too
+            if queued:
                 self._inflight += 1
-            entry = None if rec is None else rec.enter(ch.seq, collective, fingerprint, algo, async_op or busy)
-        if not (async_op or busy):
-            if entry is None:
-                return body(ch)
-            try:
-                result = body(ch)
-            except BaseException as e:
-                rec.fail(entry, e)
-                raise
-            rec.complete(entry)
-            return result
+            entry = rec.enter(ch.seq, collective, fingerprint, algo) if queued and rec is not None else None
+        if not queued:
+            return body(ch) if rec is None else rec.call(ch.seq, collective, fingerprint, algo, body, ch)
         if entry is not None:
             body = rec.traced(entry, body)
         work = self._submit(ch.what, lambda: body(ch))

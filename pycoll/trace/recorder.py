@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
 from ..errors import PeerError, TimeoutError
@@ -124,25 +124,46 @@ class Recorder:
         self._base = 0  # this communicator's first column in it
 
     # -- the hot path -----------------------------------------------------------------------------
-    def enter(self, seq: int, call: str, fingerprint: Tuple, algo: Any, queued: bool) -> list:
-        """Record that call number `seq` was entered (QUEUED behind earlier work, or STARTED)."""
-        # the call site (this is the hot path): the user's frame is usually 3 frames up (enter,
-        # Communicator._run, the collective's method), and usually the same code as last time
+    def enter(self, seq: int, call: str, fingerprint: Tuple, algo: Any) -> list:
+        """Record that call number `seq` was queued (async, or behind async work); traced() runs it."""
+        t = _time()
+        e = [seq, call, fingerprint, algo, QUEUED, t, t, 0.0, None, 0, None, None]
+        _site(e, 3)  # this, Communicator._run, the collective's method, then the user's frame
+        n = self._n
+        self._ring[n % self.capacity] = e
+        self._n = n + 1
+        if self._live is not None:
+            self._live[self._base + _C_ENTERED] = seq
+        return e
+
+    def call(self, seq: int, call: str, fingerprint: Tuple, algo: Any, body: Callable[[Any], Any], ch: Any) -> Any:
+        """Run the blocking call number `seq`, `body(ch)`, recording it as entered, then completed or
+        failed: one function, since this is the hot path of every blocking call (enter() and
+        complete() inlined; the user's frame is 3 up: this, Communicator._run, the collective)."""
         try:
             f: Any = _getframe(3)
         except ValueError:  # a thread that C++ started (torch's autograd engine running DDP's hook)
             f = None
         if f is not None and f.f_code is not _user_code:
             f = _first_outside(f)
-        code, lasti = (None, 0) if f is None else (f.f_code, f.f_lasti)
         t = _time()
         n = self._n
-        self._ring[n % self.capacity] = e = [seq, call, fingerprint, algo, QUEUED if queued else STARTED, t, t,
-                                             0.0, code, lasti, None, None]
+        self._ring[n % self.capacity] = e = [seq, call, fingerprint, algo, STARTED, t, t, 0.0,
+                                             None if f is None else f.f_code, 0 if f is None else f.f_lasti,
+                                             None, None]
         self._n = n + 1
-        if self._live is not None:
-            self._live[self._base + _C_ENTERED] = seq
-        return e
+        live = self._live
+        if live is not None:
+            live[self._base + _C_ENTERED] = seq
+        try:
+            result = body(ch)
+        except BaseException as error:
+            self.fail(e, error)
+            raise
+        e[STATE], e[T_END] = COMPLETED, _time()
+        if live is not None:
+            live[self._base + _C_COMPLETED] = seq
+        return result
 
     def enter_p2p(self, call: str, fingerprint: Tuple) -> list:
         """Record a point-to-point call (`fingerprint`: dtype, count, peer, tag); numbered on its own."""
