@@ -318,16 +318,18 @@ def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
 BOARD_POST = 0.5
 # What a call costs as its caller sees it, beyond predict() (used for absolute figures, call_time(), not
 # for ranking): fitted on allreduce of 8 B - 4 MiB, 2-8 ranks on this 2-core machine
-# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic. Refitted on a quiet machine
-# after small calls got cheaper (0.25/0.25 ms, fitted at load 4.5-10, had become 2.6x pessimistic; with
-# 0.04/0.1 ms a second run had 11 of 12 chosen algorithms within 2x, typical factor 1.42):
+# (tests/test_predict_cores.py), where predict() alone was 3-12x optimistic:
 # - CALL_OVERHEAD: the Python of a call (checks, selection, the Work, for async calls the hand-off to
-#   the worker) and the wait for the last rank to arrive, paid in turn by ranks that share a core;
+#   the worker) and the wait for the last rank to arrive, charged x crowd**2 (crowd = ranks per core):
+#   the ranks of a core run their calls in turn, and each of them waits through the others' turns.
+#   Measured beyond predict() and the wake-ups (8 B, one-shot): 12 us at 1 rank per core, 40 at 2,
+#   183 at 4. (Charged x crowd at 40 us, a call on ranks with a core each was priced 2-3x too slow;
+#   refitted on three runs, session 13: the tuner's picks within 2x in 11, 10, 11 of 12, from 10, 9, 10.)
 # - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
 #   doorbell, and the sender must first get a core: every message waits about a scheduling turn per
 #   rank beyond the cores. (Ranking with it picked recursive doubling for 4 MiB on 3-8 ranks, measured
 #   2-3x slower than the two-shot the model picks without it, so it stays out of predict().)
-CALL_OVERHEAD = 0.04e-3
+CALL_OVERHEAD = 12e-6
 WAKE = 0.1e-3
 
 
@@ -398,13 +400,13 @@ class Tuner:
 
     def call_time(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
         """Predicted seconds of one call as its caller sees it: predict() plus what every call costs
-        beyond its messages (CALL_OVERHEAD, paid in turn by ranks that share a core)."""
+        beyond its messages (CALL_OVERHEAD, paid in turn by ranks that share a core, x crowd**2)."""
         if topo.size == 1:
             return 0.0
         crowd = max([1.0] + [len(m) / c for m, c in zip(topo.members, topo.cores) if c])
         extra = excess(topo.host_of, topo.cores)
         wakes = WAKE * extra * self.messages(collective, algorithm, nbytes, topo) if extra else 0.0
-        return self.predict(collective, algorithm, nbytes, topo) + CALL_OVERHEAD * crowd + wakes
+        return self.predict(collective, algorithm, nbytes, topo) + CALL_OVERHEAD * crowd * crowd + wakes
 
     def messages(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
         """Message latencies one call pays back to back (board posts count BOARD_POST), phase by phase."""

@@ -2,13 +2,14 @@
 (Tuner.call_time) against the measured time (slow), beside predict() alone (before the per-call cost
 and the wake-ups of ranks beyond the cores) and the same model with parameters measured sustained
 (median, 4 MiB) instead of the probe's best of a few. `python tests/test_predict_cores.py 2,4,8`
-prints the table."""
+prints the table (`--save F` keeps the measurements, `--load F` prints them again with today's model)."""
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import statistics
-import sys
 import time
 from typing import Any, Dict, List, Sequence
 
@@ -157,5 +158,20 @@ def test_single_collectives_within_2x_with_ranks_sharing_cores():
     assert statistics.mean(map(abs, now)) < 0.5 * statistics.mean(map(abs, before)), table(results)
 
 
+def load(path: str) -> Dict[int, Dict[str, Any]]:
+    """Results saved by `--save` (JSON keys are strings)."""
+    with open(path) as fh:
+        return {int(n): res for n, res in json.load(fh).items()}
+
+
 if __name__ == "__main__":
-    print(table(measure([int(n) for n in sys.argv[1].split(",")] if len(sys.argv) > 1 else [2, 4, 8])))
+    ap = argparse.ArgumentParser(description="the table of single collectives on ranks sharing cores")
+    ap.add_argument("ranks", nargs="?", default="2,4,8")
+    ap.add_argument("--save", help="also write the measurements to this JSON file")
+    ap.add_argument("--load", help="print the table from measurements saved before (with today's model)")
+    a = ap.parse_args()
+    got = load(a.load) if a.load else measure([int(n) for n in a.ranks.split(",")])
+    if a.save:
+        with open(a.save, "w") as fh:
+            json.dump(got, fh)
+    print(table(got))
