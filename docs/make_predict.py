@@ -158,15 +158,21 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   cache, between two ranks while the others idle: its shm rate and latency swing 2-3x between runs
   minutes apart (the rows under the table). The sustained figures show what a median of larger probes
   would give.
-- the rest is this machine: a point swings 2x from run to run (two-shot at 2 MiB on 2 ranks is
-  bimodal, 0.13 or 1.0 ms for a whole run, in about one run in five), so the claim
-  (tests/test_predict_cores.py) is for the set, not for every point, and the test skips above a load
-  of 4 per core.
+- the rest is this machine: a point swings 2x from run to run, and more. Two-shot on 2 ranks is bimodal
+  per job (2 MiB: 0.13 or 1.0 ms a call for the whole job, in about one job in five, in bursts): in a
+  slow job, copies through the shared slots run several times slower when both ranks make them at
+  once, while each rank's alone, and both ranks' work on private memory, stay fast. The probe, a
+  ping-pong with one rank copying at a time, does not see it. So the claim (tests/test_predict_cores.py)
+  is for the set, not for every point, and the test skips above a load of 4 per core.
+- session 13's runs of this table, the tuner's picks within 2x: 11, 10, 11 (before the refit: 10, 9,
+  10), then 12, 11 and, for the table above, 9 of 12. In that last run the 2-rank job was a slow one
+  (its sustained shm rate 32 Gbit/s and reduction 24 GB/s, against 55-69 and 43-49 in the others):
+  its 1 and 4 MiB two-shot took 4x and 3.5x the model, and 64 KiB 2.7x.
 - history: the first fit (session 10, at load 4.5-10) charged 0.25 ms x crowd per call and 0.25 ms per
   wake; session 11 refitted on a quiet machine to 0.04 ms x crowd and 0.1 ms. That priced a call
   with a core per rank 2-3x too slow (8 B on 2 ranks: 45 us predicted, 17-22 us measured). Session
   13 charges 12 us x crowd^2: fitted on three runs (the picks within 2x: 11, 10 and 11 of 12, from
-  10, 9 and 10 with the old charge), then checked on two more (12 and 11 of 12) before this table's run.
+  10, 9 and 10 with the old charge), then checked on two more (12 and 11 of 12) and this table's.
 """
 
 
