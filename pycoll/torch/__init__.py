@@ -18,6 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,6 +42,18 @@ _OPS = {
 _OPS_BY_VALUE = {k.value: v for k, v in _OPS.items()}
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM.value
 _SPARSE = torch.sparse_coo
+
+
+def _dense(t: torch.Tensor) -> Optional[np.ndarray]:
+    """The numpy view of a dense, C-contiguous CPU tensor that numpy can hold (None for any other:
+    sparse, strided, requires_grad, bfloat16, another device), in one torch call: with caches cold
+    after a large call, every torch entry point costs 8-50 us (t.layout 10, t.is_contiguous() 8,
+    t.numpy() 56, measured here), so the blocking allreduce asks only this one."""
+    try:
+        arr = t.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    return arr if arr.flags.c_contiguous else None
 
 
 class C10dStore(Store):
@@ -256,6 +269,17 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Optional[PycollWork]:
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # dist.all_reduce(t): the common call
+            arr = _dense(tensors[0])
+            if arr is not None:
+                red = opts.reduceOp
+                op = _OPS_BY_VALUE.get(getattr(red, "op", red).value)  # None: PREMUL_SUM (or unsupported)
+                if op is not None:
+                    try:
+                        self.comm.allreduce(arr, op=op)
+                    except BaseException as e:  # wait() re-raises it, as for an async call
+                        return PycollWork([], tensors, None, e)
+                    return None
         op = self._op(opts) if opts is not None else ReduceOp.SUM
         for t in tensors:
             if t.layout is _SPARSE:
