@@ -123,7 +123,9 @@ class ShmBoard(Board):
         kinds = (False, True) if self.stage_bytes else (False,)
         self._bytes = {(k, stage): {m: np.frombuffer(slot(boards[m], lanes[m], k, stage), np.uint8) for m in members}
                        for k in range(DEPTH) for stage in kinds}
-        self._typed: Dict[Tuple[Any, ...], List[np.ndarray]] = {}  # typed views of the slots, per layout
+        self._typed: Dict[Tuple[Any, ...], List[np.ndarray]] = {}  # typed views of the posts, per layout
+        self._order: Sequence[int] = ()  # the last `order` exchange() was given, and it as a tuple
+        self._order_key: Tuple[int, ...] = ()
         self._wake, self._wait = wake, wait
         self.calls = 0
 
@@ -132,7 +134,8 @@ class ShmBoard(Board):
         """Post `data` (flat, at most slot_bytes, or stage_bytes into a stage slot) with signature
         `sig`, wait until every member has posted this call, and return the members' arrays in `order`
         (global ranks): writable views into their slots that stay valid until this rank's call
-        b + DEPTH - 1. ProtocolError if a member posted another byte count or signature. The elements
+        b + DEPTH - 1 (the list is cached and returned again: read it, do not change it).
+        ProtocolError if a member posted another byte count or signature. The elements
         [hole[0], hole[1]) of `data` are not copied into this rank's slot (its owner fills them)."""
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
@@ -177,14 +180,18 @@ class ShmBoard(Board):
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
                     "ranks call different collectives, or the same one with different sizes, dtypes, ops or "
                     "roots?", p)
-        offsets = tuple([ctrls[m][at[m] + where] for m in order])
-        layout = (k, stage, data.dtype, tuple(order), offsets)
-        typed = self._typed.get(layout)
-        if typed is None:
+        if order is not self._order:
+            self._order, self._order_key = order, tuple(order)
+        # below PAGE_FROM every post starts at 0 (the same byte count on every member, checked above)
+        offsets = tuple([ctrls[m][at[m] + where] for m in order]) if nbytes >= PAGE_FROM else None
+        layout = (k, stage, data.dtype, data.size, self._order_key, offsets)
+        views = self._typed.get(layout)
+        if views is None:
             if len(self._typed) > 1024:
                 self._typed.clear()
-            typed = self._typed[layout] = [_typed_from(slots[m], off, data.dtype) for m, off in zip(order, offsets)]
-        return [a[:data.size] for a in typed]
+            views = self._typed[layout] = [_typed_from(slots[m], off, data.dtype)[:data.size] for m, off in
+                                           zip(order, offsets or [0] * len(order))]
+        return views
 
 
 def _typed_from(slot_bytes: np.ndarray, offset: int, dtype: np.dtype) -> np.ndarray:
