@@ -149,8 +149,8 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   with it the tuner would pick recursive doubling for 4 MiB on 3-8 ranks, measured 2-3x slower than
   the two-shot it picks without it (recursive doubling's large exchanges under crowding are
   underpriced ~3x).
-- not fixed: 4 MiB on 4 and 8 ranks comes out 1.5-3.5x the model over the runs of session 13 (the one
-  point that leaves 2x when one does). The likely cause is the cache: the probe copies 1 MiB in
+- not fixed: 4 MiB on 4 and 8 ranks comes out 1.5-3.5x the model over the runs of session 13 (the
+  point that most often leaves 2x). The likely cause is the cache: the probe copies 1 MiB in
   cache, but 8 ranks' 4 MiB buffers and their 6 MiB of two-shot stage slots come to 80 MiB (4
   ranks: 40 MiB), beyond this machine's 32 MiB L3, so those copies run at memory speed. The model
   knows nothing of cache sizes.
@@ -162,7 +162,8 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   per job (2 MiB: 0.13 or 1.0 ms a call for the whole job, in about one job in five, in bursts): in a
   slow job, copies through the shared slots run several times slower when both ranks make them at
   once, while each rank's alone, and both ranks' work on private memory, stay fast. The probe, a
-  ping-pong with one rank copying at a time, does not see it. So the claim (tests/test_predict_cores.py)
+  ping-pong with one rank copying at a time, does not see it. Open MPI's 2-rank allreduce is bimodal
+  the same way (2 MiB: 0.19 or 1.13 ms a call). So the claim (tests/test_predict_cores.py)
   is for the set, not for every point, and the test skips above a load of 4 per core.
 - session 13's runs of this table, the tuner's picks within 2x: 11, 10, 11 (before the refit: 10, 9,
   10), then 12, 11 and, for the table above, 9 of 12. In that last run the 2-rank job was a slow one
