@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from predict_cluster import measure_run, predict_runs, scratch, table  # noqa: E402
-from test_predict_cores import load as load_cores, measure as measure_cores, table as cores_table  # noqa: E402
+from test_predict_cores import (load as load_cores, measure as measure_cores, save as save_cores,  # noqa: E402
+                                table as cores_table)
 from test_predict_racks import RATE_MBIT, congested, congestion_table  # noqa: E402
 
 REPO = os.path.dirname(HERE)
@@ -122,9 +123,7 @@ def cores(data: str, measure: bool = True) -> str:
     (and kept in docs/predict/cores.json), or with `measure` False from the measurements kept there."""
     path = os.path.join(data, "cores.json")
     if measure:
-        res = measure_cores([2, 4, 8])
-        with open(path, "w") as fh:
-            json.dump(res, fh)
+        save_cores(path, measure_cores([2, 4, 8]))
     res = load_cores(path)
     return f"""## Single collectives on ranks that share cores
 

@@ -158,8 +158,14 @@ def test_single_collectives_within_2x_with_ranks_sharing_cores():
     assert statistics.mean(map(abs, now)) < 0.5 * statistics.mean(map(abs, before)), table(results)
 
 
+def save(path: str, results: Dict[int, Dict[str, Any]]) -> None:
+    """Keep measure()'s results in a JSON file, for load()."""
+    with open(path, "w") as fh:
+        json.dump(results, fh)
+
+
 def load(path: str) -> Dict[int, Dict[str, Any]]:
-    """Results saved by `--save` (JSON keys are strings)."""
+    """Results kept by save() (JSON keys are strings)."""
     with open(path) as fh:
         return {int(n): res for n, res in json.load(fh).items()}
 
@@ -172,6 +178,5 @@ if __name__ == "__main__":
     a = ap.parse_args()
     got = load(a.load) if a.load else measure([int(n) for n in a.ranks.split(",")])
     if a.save:
-        with open(a.save, "w") as fh:
-            json.dump(got, fh)
+        save(a.save, got)
     print(table(got))
