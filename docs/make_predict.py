@@ -148,11 +148,14 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   with it the tuner would pick recursive doubling for 4 MiB on 3-8 ranks, measured 2-3x slower than
   the two-shot it picks without it (recursive doubling's large exchanges under crowding are
   underpriced ~3x).
-- not fixed: 4 MiB on 4 and 8 ranks comes out 1.5-3.5x the model over the runs of session 13 (the
-  point that most often leaves 2x). The likely cause is the cache: the probe copies 1 MiB in
-  cache, but 8 ranks' 4 MiB buffers and their 6 MiB of two-shot stage slots come to 80 MiB (4
-  ranks: 40 MiB), beyond this machine's 32 MiB L3, so those copies run at memory speed. The model
-  knows nothing of cache sizes.
+- fixed in session 14: 4 MiB on 4 and 8 ranks came out 1.5-3.5x the model over the runs of session 13
+  (the point that most often left 2x). The probe copies 1 MiB in cache, but 8 ranks' 4 MiB buffers and
+  their two-shot stage slots touch 64-80 MiB (4 ranks: 32-40 MiB), beyond this machine's 32 MiB L3,
+  so those copies run at memory speed. The tuner now reads the last-level cache from sysfs and times a
+  copy twice its size against one in cache (`spill`, 2.5-4x here); a call whose ranks touch more than
+  half the cache pays shm beta and gamma times `Params.spill_factor` (docs/topology.md). Those points
+  now come out 0.7-1.4x. Re-predicted with the spill (2.7) on session 13's five saved runs, the picks
+  within 2x go from 11, 10, 11, 12, 11 to 12 of 12 in all five.
 - not fixed either: the probe takes the best of a few 1 MiB round trips and 256 KiB reductions, in
   cache, between two ranks while the others idle: its shm rate and latency swing 2-3x between runs
   minutes apart (the rows under the table). The sustained figures show what a median of larger probes
@@ -164,10 +167,9 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   ping-pong with one rank copying at a time, does not see it. Open MPI's 2-rank allreduce is bimodal
   the same way (2 MiB: 0.19 or 1.13 ms a call). So the claim (tests/test_predict_cores.py)
   is for the set, not for every point, and the test skips above a load of 4 per core.
-- session 13's runs of this table, the tuner's picks within 2x: 11, 10, 11 (before the refit: 10, 9,
-  10), then 12, 11 and, for the table above, 9 of 12. In that last run the 2-rank job was a slow one
-  (its sustained shm rate 32 Gbit/s and reduction 24 GB/s, against 55-69 and 43-49 in the others):
-  its 1 and 4 MiB two-shot took 4x and 3.5x the model, and 64 KiB 2.7x.
+- session 14's runs of this table, the tuner's picks within 2x: 8, 11, 11, 10 and, for the table above,
+  12 of 12 (session 13, before the spill: 11, 10, 11, 12, 11, 9). Every pick that left 2x in session 14
+  is 2-rank two-shot in a slow job (2.1-3.5x: the bimodal state below) or 1 MiB on 4 ranks (2.0-2.1x).
 - history: the first fit (session 10, at load 4.5-10) charged 0.25 ms x crowd per call and 0.25 ms per
   wake; session 11 refitted on a quiet machine to 0.04 ms x crowd and 0.1 ms. That priced a call
   with a core per rank 2-3x too slow (8 B on 2 ranks: 45 us predicted, 17-22 us measured). Session

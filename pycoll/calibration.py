@@ -29,7 +29,7 @@ from . import config, tuner
 from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import EnvError
-from .topology import NET, SHM, Topology, load_topo_file
+from .topology import NET, SHM, Topology, last_level_cache, load_topo_file
 from .transports.capabilities import Striping
 from .tuner import DEFAULT, Link, Params, Tuner, info_log, pick_streams
 from .version import __version__
@@ -43,7 +43,10 @@ BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
 SHM_ALPHA_MAX = 1e-3
 FLOW = "flow"  # one stream between hosts, measured with the net link
 COLUMNS = {SHM: (0, 1), NET: (2, 3), FLOW: (5, 6)}  # where each link's alpha and beta sit in Params.row()
-STREAMS = 7  # the calibration table's column of streams the net pair holds (after Params.row())
+CACHE, SPILL = 7, 8  # the columns of a host's last-level cache and the measured spill (Params.row())
+STREAMS = 9  # the calibration table's column of streams the net pair holds (after Params.row())
+WIDTH = 10
+SPILL_CAP = 128 << 20  # the spill probe copies at most this much (twice the cache in all, up to 256 MiB)
 
 
 def mode() -> str:
@@ -98,20 +101,20 @@ def _cache_entry(key: str) -> Tuple[Optional[str], str]:
     return None if root is None else os.path.join(root, hashlib.sha1(full.encode()).hexdigest() + ".json"), full
 
 
-def cache_get(key: str) -> Optional[Link]:
-    """A cached link measurement younger than CACHE_TTL, else None."""
+def cache_get(key: str, names: Sequence[str] = ("alpha", "beta")) -> Optional[Link]:
+    """A cached link measurement younger than CACHE_TTL, else None (`names`: its two values' keys)."""
     path, full = _cache_entry(key)
     try:
         with open(path) as fh:  # type: ignore[arg-type]
             d = json.load(fh)
         if d["key"] == full and time.time() - d["time"] < CACHE_TTL:
-            return Link(float(d["alpha"]), float(d["beta"]))
+            return Link(float(d[names[0]]), float(d[names[1]]))
     except (OSError, TypeError, ValueError, KeyError):
         pass
     return None
 
 
-def cache_put(key: str, link: Link) -> None:
+def cache_put(key: str, link: Link, names: Sequence[str] = ("alpha", "beta")) -> None:
     """Store a measurement (atomically; a cache that cannot be written is skipped)."""
     path, full = _cache_entry(key)
     if path is None:
@@ -120,10 +123,21 @@ def cache_put(key: str, link: Link) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as fh:
-            json.dump({"key": full, "alpha": link.alpha, "beta": link.beta, "time": time.time()}, fh)
+            json.dump({"key": full, names[0]: link.alpha, names[1]: link.beta, "time": time.time()}, fh)
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def spill_probe(key: str) -> Tuple[float, float]:
+    """(this host's last-level cache in bytes, measure_spill of it): cached under `key` while the
+    cache size is the same, else measured (about 30 ms) and cached."""
+    cache_bytes = last_level_cache()
+    got = cache_get(key, ("cache", "spill"))
+    if got is None or got.alpha != cache_bytes:
+        got = Link(cache_bytes, measure_spill(cache_bytes))
+        cache_put(key, got, ("cache", "spill"))
+    return got.alpha, got.beta
 
 
 def probe_pairs(topo: Topology) -> Dict[str, Tuple[int, int]]:
@@ -148,6 +162,26 @@ def measure_gamma() -> float:
         np.add(a, b, out=a)
         best = min(best, time.perf_counter() - t)
     return max(best / a.nbytes, 1e-12)
+
+
+def measure_spill(cache_bytes: int) -> float:
+    """How many times slower (best of a few each) a copy runs whose source and destination fill
+    twice the last-level cache than a 1 MiB one in cache: the tuner's price for calls whose data
+    outgrow the cache (Params.spill_factor). 1.0 when the cache size is unknown."""
+    if cache_bytes <= 0:
+        return 1.0
+    out = []
+    for nbytes, reps in ((PROBE_BIG, 8), (min(cache_bytes, SPILL_CAP), 5)):
+        src = np.ones(nbytes // 8, np.float64)
+        dst = np.zeros_like(src)  # np.ones/zeros_like touch every page: no first-touch faults below
+        dst += 1.0
+        best = math.inf
+        for _ in range(reps):
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - t)
+        out.append(best / src.nbytes)
+    return max(1.0, out[1] / out[0])
 
 
 def ping_pong(ch: Channel, me: int, peer: int, tag: int, big_bytes: int = PROBE_BIG) -> Optional[Link]:
@@ -227,8 +261,10 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
     keys = {cls: f"{transport}|{cls}|{topo.ranks[a].host}|{topo.ranks[b].host}" for cls, (a, b) in pairs.items()}
     first = make_channel(1)
     striping = first.transport.offers(Striping)
-    mine = np.full(8, np.nan)
+    mine = np.full(WIDTH, np.nan)
     mine[4] = measure_gamma()
+    if SHM in pairs and rank == pairs[SHM][0]:  # the spill matters where ranks share a host's cache
+        mine[[CACHE, SPILL]] = spill_probe(f"{transport}|mem|{topo.ranks[rank].host}")
     for cls, (a, b) in pairs.items():
         links: List[Optional[Link]] = [declared.get(cls) or (cache_get(keys[cls]) if rank == a else None)]
         if cls == NET:
@@ -238,7 +274,7 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
                 mine[list(COLUMNS[c])] = (link.alpha, link.beta)  # type: ignore[union-attr]
         if cls == NET and rank == a:
             mine[STREAMS] = striping.streams(b) if striping is not None else 1
-    table = np.empty((topo.size, 8))
+    table = np.empty((topo.size, WIDTH))
     allgather(first, mine, table.reshape(-1), None)
     missing = [cls for cls in pairs if np.isnan(table[:, COLUMNS[cls][0]]).all()]
     source = "probe" if missing else ("file" if declared else "cache")
@@ -265,7 +301,7 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
     row = base.row()
     if np.isnan(table[:, COLUMNS[FLOW][0]]).all():  # nothing measured between hosts: a flow is the link
         table[:, list(COLUMNS[FLOW])] = table[:, list(COLUMNS[NET])]
-    for col in range(7):
+    for col in range(STREAMS):
         got = table[:, col][~np.isnan(table[:, col])]
         if got.size:
             row[col] = float(got.max())
@@ -286,8 +322,9 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
         t = time.perf_counter()
         params = calibrate(make_channel, rank, topo, transport, params)
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s, one stream %s, %d stream(s) "
-                        "per payload", rank, (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
-                        params.net.describe(), params.flow_link().describe(), params.nsocks)
+                        "per payload, copies %.2gx slower beyond %.0f MiB of cache", rank, (time.perf_counter() - t) * 1e3,
+                        params.source, params.shm.describe(), params.net.describe(), params.flow_link().describe(),
+                        params.nsocks, params.spill, params.cache / (1 << 20))
     return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes)
 
 

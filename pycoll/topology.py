@@ -30,6 +30,7 @@ from .errors import EnvError
 SYS_NET = "/sys/class/net"
 SYS_IB = "/sys/class/infiniband"
 SYS_NODE = "/sys/devices/system/node"
+SYS_CPU = "/sys/devices/system/cpu"
 
 SHM, NET = "shm", "net"  # link classes the tuner models: within a host, between hosts
 # matrix labels, nearest first: self, same host and NUMA node, same host across NUMA nodes, network
@@ -105,6 +106,24 @@ def _cpulist(text: str) -> List[int]:
         lo, _, hi = part.partition("-")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest (last-level) CPU cache the first CPU this process may run on has; 0 if
+    sysfs does not say. Copies whose data outgrow it run at memory speed (the tuner's spill term)."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        names = os.listdir(f"{SYS_CPU}/cpu{cpu}/cache")
+    except (OSError, AttributeError, ValueError):
+        return 0
+    best = 0
+    for name in names:
+        size = _read(f"{SYS_CPU}/cpu{cpu}/cache/{name}/size") or ""
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * unit)
+    return best
 
 
 def numa_node() -> int:

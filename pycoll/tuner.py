@@ -12,6 +12,9 @@ rounds, each with a count of back-to-back messages and the (src, dst, bytes) tra
     shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
     crowd      = max over hosts of (ranks busy in the round / the host's cores), at least 1
 
+Where the ranks of a host touch more data in a call than stays in its last-level cache, their copies
+and reductions run at memory speed: shm beta and gamma are priced up by Params.spill_factor.
+
 Copies and reductions are CPU work, so ranks that share a core do them in turn: 4 ranks on 2 cores
 pay twice the bytes of a round where all of them move data (measured over tcp at 1 MiB: recursive
 doubling 5.8 ms, halving-doubling, which moves and reduces fewer bytes in more rounds, 3.7 ms).
@@ -38,7 +41,7 @@ import logging
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -69,7 +72,9 @@ class Link:
 class Params:
     """The model's inputs: shm and net links, gamma (seconds per reduced byte), where they came from;
     `flow`: one TCP stream between hosts where that is slower than the link (None: as fast), and
-    `nsocks`: the streams a pair's payload is cut over."""
+    `nsocks`: the streams a pair's payload is cut over; `cache`: a host's last-level cache in bytes
+    (0: unknown), and `spill`: how many times slower a copy runs whose data fill twice that (1: no
+    measurement), for calls whose working set outgrows the cache (spill_factor)."""
 
     shm: Link
     net: Link
@@ -77,6 +82,8 @@ class Params:
     source: str = "default"
     flow: Optional[Link] = None
     nsocks: int = 1
+    cache: float = 0.0
+    spill: float = 1.0
 
     def link(self, cls: str) -> Link:
         """The Link of class `cls` (shm or net)."""
@@ -87,16 +94,32 @@ class Params:
         return self.flow or self.net
 
     def row(self) -> np.ndarray:
-        """alpha/beta of shm and net, gamma, alpha/beta of one flow: what the calibration allgathers."""
+        """alpha/beta of shm and net, gamma, alpha/beta of one flow, cache and spill: what the
+        calibration allgathers."""
         flow = self.flow_link()
         return np.array([self.shm.alpha, self.shm.beta, self.net.alpha, self.net.beta, self.gamma,
-                         flow.alpha, flow.beta])
+                         flow.alpha, flow.beta, self.cache, self.spill])
 
     @classmethod
     def from_row(cls, row: Sequence[float], source: str, nsocks: int = 1) -> "Params":
-        """The inverse of row()."""
-        a, b, c, d, e, f, g = (float(v) for v in row)
-        return cls(Link(a, b), Link(c, d), e, source, None if (f, g) == (c, d) else Link(f, g), nsocks)
+        """The inverse of row() (a row of 7, from before the cache and spill, has neither)."""
+        a, b, c, d, e, f, g, cache, spill = (float(v) for v in list(row) + [0.0, 1.0][len(row) - 7:])
+        return cls(Link(a, b), Link(c, d), e, source, None if (f, g) == (c, d) else Link(f, g), nsocks,
+                   cache, spill)
+
+    def spill_factor(self, working_set: float) -> float:
+        """How many times a byte copied or reduced costs beyond shm beta and gamma when the ranks of a
+        host touch `working_set` bytes in a call: 1 up to half the cache (what stays there beside
+        everything else), `spill` at twice the cache (where the probe measures it), and on towards
+        1 + (spill - 1) / SPILL_AT as the data outgrow it (the part of each pass the cache still holds shrinks)."""
+        if self.spill <= 1.0 or self.cache <= 0.0 or working_set <= self.cache / 2:
+            return 1.0
+        return 1.0 + (self.spill - 1.0) * (1.0 - self.cache / (2 * working_set)) / SPILL_AT
+
+    def spilled(self, working_set: float) -> "Params":
+        """These parameters with shm beta and gamma priced for `working_set` (spill_factor)."""
+        f = self.spill_factor(working_set)
+        return self if f == 1.0 else replace(self, shm=Link(self.shm.alpha, self.shm.beta * f), gamma=self.gamma * f)
 
 
 def pick_streams(params: Params, limit: int) -> int:
@@ -109,6 +132,8 @@ def pick_streams(params: Params, limit: int) -> int:
         return 1
     return max(1, min(limit, math.ceil(ratio * 0.95)))
 
+
+SPILL_AT = 0.75  # 1 - cache / (2 * working set) where the probe measures spill (working set = 2 x cache)
 
 # Python-level constants measured on loopback/shm here; net defaults to 10 Gbit/s or the NIC speed
 DEFAULT = Params(shm=Link(40e-6, 1 / 1.5e9), net=Link(120e-6, 8 / 10e9), gamma=1 / 4e9)
@@ -395,8 +420,14 @@ class Tuner:
             return math.inf
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
-        return sum(round_time(r, topo.host_of, self.params, streams, topo.cores, topo.uplinks)
+        params = self._priced(nbytes, topo)
+        return sum(round_time(r, topo.host_of, params, streams, topo.cores, topo.uplinks)
                    for r in self.pattern(collective, algorithm, nbytes, topo))
+
+    def _priced(self, nbytes: float, topo: Topology) -> Params:
+        """The parameters for a call of `nbytes` on `topo`: each rank of the fullest host touches its
+        buffer and about as many bytes of slots or receive buffers (Params.spill_factor)."""
+        return self.params.spilled(2.0 * nbytes * max(len(m) for m in topo.members))
 
     def call_time(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> float:
         """Predicted seconds of one call as its caller sees it: predict() plus what every call costs
@@ -434,6 +465,7 @@ class Tuner:
     def _hierarchical(self, collective: str, nbytes: float, topo: Topology) -> float:
         """Phase by phase, as algorithms/hierarchical.py runs them (see there)."""
         H, L = topo.nhosts, topo.per_host
+        params = self._priced(nbytes, topo)
         if H == 1:
             return self.predict(collective, "ring", nbytes, topo)
         local = Topology.from_hosts([0] * L, min(topo.cores))
@@ -448,21 +480,21 @@ class Tuner:
                         + self.predict("allgather", "ring", nbytes, local))
             if collective == "broadcast":
                 scatter = Round(1, [(0, k, shard) for k in range(1, L)])
-                return round_time(scatter, local.host_of, self.params, 1, local.cores) + inter + \
+                return round_time(scatter, local.host_of, params, 1, local.cores) + inter + \
                     self.predict("allgather", "ring", nbytes, local)
-            return inter + self.predict("allgather", "ring", nbytes, local) + nbytes * self.params.shm.beta
+            return inter + self.predict("allgather", "ring", nbytes, local) + nbytes * params.shm.beta
         inter = self.best_phase(collective, nbytes, cross, 1)[1]
-        bcast = sum(round_time(r, local.host_of, self.params, 1, local.cores)
+        bcast = sum(round_time(r, local.host_of, params, 1, local.cores)
                     for r in binomial_pattern("broadcast", nbytes, L))
         if collective == "allreduce":
-            reduce = sum(round_time(r, local.host_of, self.params, 1, local.cores)
+            reduce = sum(round_time(r, local.host_of, params, 1, local.cores)
                          for r in binomial_pattern("reduce", nbytes, L))
             return reduce + inter + bcast
         if collective == "broadcast":
             return inter + bcast
         gather = round_time(Round(1, [(k, 0, nbytes / topo.size) for k in range(1, L)]), local.host_of,
-                            self.params, 1, local.cores)
-        return gather + inter + bcast + nbytes * self.params.shm.beta
+                            params, 1, local.cores)
+        return gather + inter + bcast + nbytes * params.shm.beta
 
     def _flow_note(self) -> str:
         """' (one stream ..., cut over k)' where a flow is slower than the link or payloads are cut."""
@@ -471,12 +503,20 @@ class Tuner:
             return ""
         return f" (one stream {p.flow_link().describe()}, payloads cut over {p.nsocks})"
 
+    def _spill_note(self) -> str:
+        """', copies 2.8x slower beyond 32 MiB of cache' where a spill was measured."""
+        p = self.params
+        if p.spill <= 1.0 or p.cache <= 0:
+            return ""
+        return f", copies {p.spill:.2g}x slower beyond {p.cache / (1 << 20):.0f} MiB of cache"
+
     def table(self, topo: Topology, sizes: Sequence[int], collectives: Sequence[str] = tuple(MODELED),
               choose: Optional[Callable[[str, int], str]] = None) -> str:
         """Predicted time of every modeled algorithm per size; `*` marks what `choose` (or the model) picks."""
         head = f"{'collective':<15}{'algorithm':<20}" + "".join(f"{_size(s):>10}" for s in sizes)
         lines = [f"tuner ({self.params.source}): shm {self.params.shm.describe()}, "
-                 f"net {self.params.net.describe()}{self._flow_note()}, reduce {1e-9 / self.params.gamma:.3g} GB/s; "
+                 f"net {self.params.net.describe()}{self._flow_note()}, reduce {1e-9 / self.params.gamma:.3g} GB/s"
+                 f"{self._spill_note()}; "
                  f"{topo.size} ranks on {topo.nhosts} hosts", head]
         for coll in collectives:
             algos = MODELED[coll]

@@ -11,6 +11,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -102,7 +103,7 @@ def predictions(res: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
     """Each row with the tuner's call time from its probe parameters and from the sustained ones."""
     probe = Params.from_row(res["params"], "probe")
     a, b, g = res["sustained"]
-    steady = Params(Link(a, b), probe.net, g, "sustained")
+    steady = replace(probe, shm=Link(a, b), gamma=g, source="sustained")  # the cache and spill probed
     topo = Topology.from_hosts([0] * n, res["cores"])
     out = []
     for row in res["rows"]:

@@ -12,8 +12,8 @@ from multiproc import run_ranks
 from pycoll import calibration, tuner
 from pycoll.selection import NAMED_ONLY, Selector, default_order, parse_algo
 from pycoll.errors import EnvError
-from pycoll.topology import Topology
-from pycoll.tuner import DEFAULT, MODELED, Link, Params, Tuner, pick_streams
+from pycoll.topology import Topology, last_level_cache
+from pycoll.tuner import DEFAULT, MODELED, SPILL_AT, Link, Params, Tuner, pick_streams
 
 MIB = 1 << 20
 S = 64 * MIB
@@ -228,6 +228,27 @@ def test_cache_entries_of_other_code_are_never_reused(monkeypatch, tmp_path):
     assert calibration.cache_get("k") is None
 
 
+def test_spill_prices_working_sets_beyond_the_cache():
+    p = Params(shm=Link(1e-5, 1 / 10e9), net=DEFAULT.net, gamma=1 / 20e9, cache=32 * MIB, spill=2.5)
+    assert p.spill_factor(16 * MIB) == 1.0 and p.spilled(16 * MIB) is p  # half the cache: still in it
+    assert p.spill_factor(64 * MIB) == pytest.approx(2.5)  # where the probe measures it
+    f = [p.spill_factor(w * MIB) for w in (20, 32, 64, 256, 4096)]
+    assert f == sorted(f) and f[-1] < 1 + 1.5 / SPILL_AT
+    q = p.spilled(64 * MIB)
+    assert q.shm.beta == pytest.approx(2.5 * p.shm.beta) and q.gamma == pytest.approx(2.5 * p.gamma)
+    assert q.shm.alpha == p.shm.alpha and q.net == p.net
+    # 8 ranks of 4 MiB on one host touch 64 MiB: the call costs more than the cache-blind model says;
+    # 2 ranks of 4 MiB (16 MiB) cost the same
+    blind = Tuner(replace(p, spill=1.0), 16 << 10, 2 << 20)
+    for n, more in ((8, True), (2, False)):
+        topo = Topology.from_hosts([0] * n, 2)
+        a, b = (t.predict("allreduce", "twoshot", 4 * MIB, topo) for t in (Tuner(p, 16 << 10, 2 << 20), blind))
+        assert (a > 1.5 * b) if more else a == b
+    # a row from before the cache and spill (7 values) reads as neither
+    old = Params.from_row(p.row()[:7], "probe")
+    assert (old.cache, old.spill) == (0.0, 1.0) and Params.from_row(p.row(), "probe").spill == 2.5
+
+
 def test_table_marks_one_choice_per_size():
     text = Tuner(DEFAULT).table(interleaved(2, 2), [8, 16 * MIB], ["allreduce"])
     rows = [line for line in text.splitlines() if line.startswith("allreduce")]
@@ -263,7 +284,10 @@ def test_probe_agrees_everywhere_then_comes_from_the_cache(tmp_path):
     assert all(r[3] for r in first)
     second = run_ranks(_calibrated, 4, layout, init=False, env=env)
     assert {r[0] for r in second} == {"cache"} and second[0][1][:4] == row[:4]
-    assert len(list(tmp_path.iterdir())) == 3  # one entry per link class, and one stream between hosts
+    # the host's cache and the spill measured beyond it came along, and from the cache the second time
+    assert row[7] == last_level_cache() and row[8] >= 1.0 and second[0][1][7:9] == row[7:9]
+    # one entry per link class, one stream between hosts, and the spill of the shm pair's host
+    assert len(list(tmp_path.iterdir())) == 4
     # PYCOLL_NSOCKS=auto opened 4 streams to the other (fake) host; every rank cuts over what the
     # tuner picked from the probe (over loopback: one, unless the busy machine's noise says more)
     assert len({r[4] for r in first}) == 1 and {r[4] for r in second} == {first[0][4]}

@@ -118,7 +118,8 @@ class Workload:
             "profile": [{"local_batch": p.local_batch, "fwd_bwd_ms": p.fwd_bwd_ms, "optimizer_ms": p.optimizer_ms}
                         for p in self.profile],
             "tuner": {"source": self.params.source, "shm": _link(self.params.shm), "net": _link(self.params.net),
-                      "gamma_s_per_byte": self.params.gamma, "board_bytes": self.board_bytes,
+                      "gamma_s_per_byte": self.params.gamma, "cache_bytes": self.params.cache,
+                      "spill": self.params.spill, "board_bytes": self.board_bytes,
                       "stage_bytes": self.stage_bytes},
             "measured": self.measured,
         })
@@ -156,7 +157,8 @@ def from_dict(d: Dict[str, Any], where: str = "workload") -> Workload:
             profile=[ComputePoint(float(p["local_batch"]), float(p["fwd_bwd_ms"]), float(p["optimizer_ms"]))
                      for p in d.get("profile", [])],
             params=Params(_unlink(tun["shm"]), _unlink(tun["net"]), float(tun["gamma_s_per_byte"]),
-                          str(tun.get("source", "record"))),
+                          str(tun.get("source", "record")), cache=float(tun.get("cache_bytes", 0.0)),
+                          spill=float(tun.get("spill", 1.0))),
             board_bytes=int(tun.get("board_bytes", 0)), stage_bytes=int(tun.get("stage_bytes", 0)),
             step_ms=float(d.get("step_ms", math.nan)), measured=dict(d.get("measured", {})),
             extra={k: v for k, v in d.items() if k not in known})
