@@ -52,6 +52,7 @@ _UFUNCS: Dict[ReduceOp, Callable] = {
     BAND: np.bitwise_and, BOR: np.bitwise_or, BXOR: np.bitwise_xor,
 }
 _BITWISE = (BAND, BOR, BXOR)
+_FITTING: set = set()  # (op, dtype) pairs check_op has passed
 
 
 def as_op(op: Union[ReduceOp, str]) -> ReduceOp:
@@ -84,6 +85,8 @@ def dtype_code(dtype: np.dtype) -> int:
 
 def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     """TypeError when the op does not fit the dtype (bitwise on floats, ordering on complex)."""
+    if (op, dtype) in _FITTING:  # every call checks: a pair that fitted once is a set hit
+        return
     dtype_code(dtype)
     if not isinstance(dtype, np.dtype):
         dtype = np.dtype(dtype)
@@ -91,6 +94,7 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
         raise TypeError(f"op {op.value} needs an integer or bool dtype, got {dtype}")
     if op in (MIN, MAX) and dtype.kind == "c":
         raise TypeError(f"op {op.value} is not defined for complex dtype {dtype}")
+    _FITTING.add((op, dtype))
 
 
 def ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:

@@ -100,6 +100,7 @@ class Selector:
         self.tuner = tuner
         self.board_bytes = board_bytes if board_bytes is not None else tuner.board_bytes if tuner else 0
         self._memo: Dict[Tuple[Any, ...], Tuple[str, Callable]] = {}
+        self._calls: Dict[Tuple[Any, ...], Tuple[Topology, Callable]] = {}  # function()'s answers
         self._modeled: Dict[str, List[str]] = {}  # collective -> what the tuner chooses among
         for coll, algos in (MODELED.items() if tuner is not None else ()):
             named = coll in self.allowed
@@ -152,11 +153,21 @@ class Selector:
         return hit
 
     def function(self, collective: str, nbytes: int, topo: Topology, algo: Optional[str] = None) -> Callable:
-        """The function to run for one call: chosen, and bound to the topology where it needs one."""
+        """The function to run for one call: chosen, and bound to the topology where it needs one
+        (remembered per exact call shape: the same answer costs a dict lookup on the hot path)."""
+        key = (collective, nbytes, algo, id(topo))
+        hit = self._calls.get(key)
+        if hit is not None and hit[0] is topo:
+            return hit[1]
         modeled = self._modeled.get(collective)
         if algo is None and modeled and topo.size > 1:
-            return self._decide(collective, nbytes, topo, modeled)[1]
-        return self.bind(collective, self.choose(collective, nbytes, topo.size, algo, topo), topo)
+            fn = self._decide(collective, nbytes, topo, modeled)[1]
+        else:
+            fn = self.bind(collective, self.choose(collective, nbytes, topo.size, algo, topo), topo)
+        if len(self._calls) > 4096:
+            self._calls.clear()
+        self._calls[key] = (topo, fn)  # the topology kept beside its id, so a reused id never matches
+        return fn
 
     def phase(self, collective: str, nbytes: int, topo: Topology, streams: int) -> Callable:
         """A flat algorithm for one phase of a hierarchical one, with `streams` copies sharing each NIC."""

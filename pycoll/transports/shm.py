@@ -758,6 +758,6 @@ class _Boards(SharedBoard):
     def open(self, comm_id: int, members: Sequence[int], lanes: Dict[int, int]) -> ShmBoard:
         t = self._t
         peers = {m: t._peer(m) for m in members}
+        others = [p for m, p in peers.items() if m != t.rank]
         return ShmBoard(t.rank, comm_id, members, lanes, {m: p.board_ctrl for m, p in peers.items()},
-                        {m: p.board for m, p in peers.items()},
-                        lambda ranks: t._wake_sleepers([peers[m] for m in ranks]), t.wait)
+                        {m: p.board for m, p in peers.items()}, lambda: t._wake_sleepers(others), t.wait)

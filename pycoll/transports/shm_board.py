@@ -112,7 +112,7 @@ class ShmBoard(Board):
 
     def __init__(self, rank: int, comm_id: int, members: Sequence[int], lanes: Dict[int, int],
                  ctrls: Dict[int, memoryview], boards: Dict[int, memoryview],
-                 wake: Callable[[Sequence[int]], None],
+                 wake: Callable[[], None],
                  wait: Callable[[Sequence[Request], float, object], None]) -> None:
         self.rank, self.comm_id, self.members = rank, comm_id, list(members)
         self._lanes, self._ctrls = lanes, ctrls
@@ -139,27 +139,35 @@ class ShmBoard(Board):
         [hole[0], hole[1]) of `data` are not copied into this rank's slot (its owner fills them)."""
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
-        mine_at = data.ctypes.data % PAGE if nbytes >= PAGE_FROM else 0
+        if order is not self._order:
+            self._order, self._order_key = order, tuple(order)
         slots = self._bytes[k, stage]
-        raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
         h0, h1 = hole
-        if h1 > h0:  # in bytes from here
-            h0, h1 = h0 * data.itemsize, h1 * data.itemsize
-            slot[:h0] = raw[:h0]
-            slot[h1:] = raw[h1:]
+        small = nbytes < PAGE_FROM
+        if small:  # every post starts at 0: the views are known before the post, and this rank's is one
+            views = self._views((k, stage, data.dtype, data.size, self._order_key, None), slots, order, None)
+        if small and h1 <= h0:
+            np.copyto(views[self._order_key.index(self.rank)], data)
         else:
-            slot[:] = raw
+            mine_at = data.ctypes.data % PAGE if not small else 0
+            raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
+            if h1 > h0:  # in bytes from here
+                h0, h1 = h0 * data.itemsize, h1 * data.itemsize
+                slot[:h0] = raw[:h0]
+                slot[h1:] = raw[h1:]
+            else:
+                slot[:] = raw
         ctrls, at = self._ctrls, self._counter
         words = 2 * k - _POSTED  # from a lane's counter to this slot's byte count and signature
         where = _AT + k - _POSTED  # ... and to its offset in the slot
         mine = ctrls[self.rank]
         i = at[self.rank]
-        mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, mine_at
+        mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, 0 if small else mine_at
         # slot, count, signature and offset, then the counter: a peer that sees b sees them, and this
         # rank's reads of earlier calls' slots are done (x86-TSO: stores stay in order, loads before
         # later stores)
         mine[i] = b
-        self._wake(self._others)
+        self._wake()  # the other members that sleep on their doorbells
         late = [p for p in self._others if ctrls[p][at[p]] < b]  # counters before slots: load order (x86-TSO)
         spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
         while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
@@ -180,16 +188,21 @@ class ShmBoard(Board):
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
                     "ranks call different collectives, or the same one with different sizes, dtypes, ops or "
                     "roots?", p)
-        if order is not self._order:
-            self._order, self._order_key = order, tuple(order)
-        # below PAGE_FROM every post starts at 0 (the same byte count on every member, checked above)
-        offsets = tuple([ctrls[m][at[m] + where] for m in order]) if nbytes >= PAGE_FROM else None
-        layout = (k, stage, data.dtype, data.size, self._order_key, offsets)
+        if small:  # (the same byte count on every member, checked above)
+            return views
+        offsets = tuple([ctrls[m][at[m] + where] for m in order])
+        return self._views((k, stage, data.dtype, data.size, self._order_key, offsets), slots, order, offsets)
+
+    def _views(self, layout: Tuple[Any, ...], slots: Dict[int, np.ndarray], order: Sequence[int],
+               offsets: Any) -> List[np.ndarray]:
+        """The members' posts as typed arrays, in `order`, for one `layout` (slot, stage, dtype, size,
+        order, offsets: None where every post starts at 0), made once per layout."""
         views = self._typed.get(layout)
         if views is None:
+            _, _, dtype, size, _, _ = layout
             if len(self._typed) > 1024:
                 self._typed.clear()
-            views = self._typed[layout] = [_typed_from(slots[m], off, data.dtype)[:data.size] for m, off in
+            views = self._typed[layout] = [_typed_from(slots[m], off, dtype)[:size] for m, off in
                                            zip(order, offsets or [0] * len(order))]
         return views
 
