@@ -36,9 +36,12 @@ allreduce.accepts_src = True  # type: ignore[attr-defined]
 def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:
     """buf = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
     out = flat(buf)
-    np.copyto(out, inputs[0])
+    if len(inputs) == 1:
+        np.copyto(out, inputs[0])
+        return
     fn = ufunc(op, buf.dtype)
-    for other in inputs[1:]:
+    fn(inputs[0], inputs[1], out=out)  # the first two straight into buf: no copy of inputs[0] first
+    for other in inputs[2:]:
         fn(out, other, out=out)
 
 

@@ -117,7 +117,8 @@ class ShmBoard(Board):
         self.rank, self.comm_id, self.members = rank, comm_id, list(members)
         self._lanes, self._ctrls = lanes, ctrls
         self._counter = {m: lanes[m] * _LINE + _POSTED for m in members}  # index into ctrls[m]
-        self._others = [m for m in self.members if m != rank]
+        # (rank, its control view, its counter's index) of every other member: what a call watches
+        self._watch = [(m, ctrls[m], self._counter[m]) for m in self.members if m != rank]
         # every member's lane has a stage, or the communicator has none (the same answer on every member)
         self.stage_bytes = STAGE_BYTES if max(lanes.values()) < STAGE_LANES else 0
         kinds = (False, True) if self.stage_bytes else (False,)
@@ -168,19 +169,20 @@ class ShmBoard(Board):
         # later stores)
         mine[i] = b
         self._wake()  # the other members that sleep on their doorbells
-        late = [p for p in self._others if ctrls[p][at[p]] < b]  # counters before slots: load order (x86-TSO)
-        spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
-        while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
-            os.sched_yield()
-            spins -= 1
-            while late and ctrls[late[-1]][at[late[-1]]] >= b:
-                late.pop()
+        late = [w for w in self._watch if w[1][w[2]] < b]  # counters before slots: load order (x86-TSO)
+        if late:
+            spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
+            while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
+                os.sched_yield()
+                spins -= 1
+                while late and late[-1][1][late[-1][2]] >= b:
+                    late.pop()
         if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
             key = MsgKey(self.comm_id, b, POST_TAG)
-            self._wait([_Posted(p, key, ctrls[p], self._lanes[p], b) for p in late], timeout, what)
+            self._wait([_Posted(p, key, ctrl, self._lanes[p], b) for p, ctrl, _ in late], timeout, what)
         # every counter was seen at b before these loads (ARM/POWER: acquire loads)
-        for p in self._others:
-            ctrl, i = ctrls[p], at[p] + words
+        for p, ctrl, i in self._watch:
+            i += words
             if ctrl[i + _NBYTES] != nbytes or ctrl[i + _SIG] != sig:
                 theirs = ctrl[i + _NBYTES], ctrl[i + _SIG]
                 raise ProtocolError(
