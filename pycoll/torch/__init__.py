@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -228,24 +228,26 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
-    def _op(opts: Any) -> ReduceOp:
+    def _op(opts: Any) -> Tuple[ReduceOp, Any]:
+        """(pycoll's op, the PREMUL_SUM factor or None) for `opts.reduceOp` (opts None: SUM), which is
+        read once: each torch entry point costs microseconds, tens with caches cold."""
+        if opts is None:
+            return ReduceOp.SUM, None
         red = opts.reduceOp
         kind = getattr(red, "op", red).value  # .value: pybind enums hash and compare slowly
         op = _OPS_BY_VALUE.get(kind)
         if op is not None:
-            return op
+            return op, None
         if kind == _PREMUL_SUM:  # a SUM of inputs scaled first (_premul)
-            return ReduceOp.SUM
+            return ReduceOp.SUM, red.factor
         raise ValueError(f"pycoll backend: reduce op {getattr(red, 'op', red)} is not supported")
 
     @staticmethod
-    def _premul(opts: Any, t: torch.Tensor, in_place: bool) -> torch.Tensor:
+    def _premul(factor: Any, t: torch.Tensor, in_place: bool) -> torch.Tensor:
         """`t` scaled by a PREMUL_SUM op's factor (a float or a 1-element tensor), as NCCL scales each
-        input before summing; `t` itself for every other op."""
-        red = opts.reduceOp if opts is not None else None
-        if red is None or getattr(red, "op", red).value != _PREMUL_SUM:
+        input before summing; `t` itself without one (factor None: every other op)."""
+        if factor is None:
             return t
-        factor = red.factor
         return t.mul_(factor) if in_place else t * factor
 
     @staticmethod
@@ -269,42 +271,39 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # -- reductions -----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Optional[PycollWork]:
-        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # dist.all_reduce(t): the common call
-            arr = _dense(tensors[0])
-            if arr is not None:
-                red = opts.reduceOp
-                op = _OPS_BY_VALUE.get(getattr(red, "op", red).value)  # None: PREMUL_SUM (or unsupported)
-                if op is not None:
-                    try:
-                        self.comm.allreduce(arr, op=op)
-                    except BaseException as e:  # wait() re-raises it, as for an async call
-                        return PycollWork([], tensors, None, e)
-                    return None
-        op = self._op(opts) if opts is not None else ReduceOp.SUM
+        op, factor = self._op(opts)
+        if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
+            return self._blocking(tensors, op, factor)  # once, so run here: no hand-off to the worker thread
         for t in tensors:
             if t.layout is _SPARSE:
                 return self._sparse_allreduce(tensors, op)
-        if opts is not None and not opts.asyncOp:  # dist.all_reduce(async_op=False): the caller waits at
-            return self._blocking(tensors, op, opts)  # once, so run here: no hand-off to the worker thread
         works, posts = [], []
         for t in tensors:
             buf, back = self._contig(t)
-            buf = self._premul(opts, buf, in_place=True)
+            buf = self._premul(factor, buf, in_place=True)
             works.append(self.comm.allreduce(buf, op=op, async_op=True))
             posts.append(back)
         return PycollWork(works, tensors, self._chain(*posts))
 
-    def _blocking(self, tensors: List[torch.Tensor], op: ReduceOp, opts: Any) -> Optional[PycollWork]:
+    def _blocking(self, tensors: List[torch.Tensor], op: ReduceOp, factor: Any) -> Optional[PycollWork]:
         """allreduce on this thread (behind any queued work, in call order). None once it succeeded:
         torch's wrapper then has nothing to wait on (as for a backend that syncs in C++), and a call
         builds no Work, which costs tens of microseconds with caches cold after a large call; a
-        finished Work that re-raises in wait() if it failed."""
+        finished Work that re-raises in wait() if it failed. A dense tensor runs on its numpy view
+        (_dense: one torch call); only the others are asked whether they are sparse or strided."""
+        views = [_dense(t) for t in tensors]
+        if any(v is None and t.layout is _SPARSE for t, v in zip(tensors, views)):
+            return self._sparse_allreduce(tensors, op)
         try:
-            for t in tensors:
-                buf, back = self._contig(t)
-                self.comm.allreduce(self._premul(opts, buf, in_place=True), op=op)
-                if back is not None:
-                    back()
+            for t, view in zip(tensors, views):
+                if view is None:
+                    buf, back = self._contig(t)
+                    self.comm.allreduce(self._premul(factor, buf, in_place=True), op=op)
+                    if back is not None:
+                        back()
+                else:
+                    self._premul(factor, t, in_place=True)  # (the view's memory)
+                    self.comm.allreduce(view, op=op)
         except BaseException as e:  # wait() re-raises it, as for an async call
             return PycollWork([], tensors, None, e)
         return None
@@ -344,10 +343,10 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
-        op, root = self._op(opts), opts.rootRank
+        (op, factor), root = self._op(opts), opts.rootRank
         t = tensors[opts.rootTensor]
         buf, back = self._contig(t)
-        scaled = self._premul(opts, buf, in_place=False)
+        scaled = self._premul(factor, buf, in_place=False)
         if scaled is not buf:  # only root's result lands in `t`; the others keep their input
             buf, back = scaled, (lambda: t.copy_(scaled.view(t.shape)))
         work = self.comm.reduce(buf, root=root, op=op, async_op=True)
@@ -355,9 +354,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
                        opts: Any) -> PycollWork:
-        op, works, posts = self._op(opts), [], []
+        (op, factor), works, posts = self._op(opts), [], []
         for out, ins in zip(outputs, inputs):
-            src = self._premul(opts, _flat_cat(ins), in_place=True)  # a copy of its own already
+            src = self._premul(factor, _flat_cat(ins), in_place=True)  # a copy of its own already
             counts = [t.numel() for t in ins]
             buf, back = self._contig(out)
             works.append(self.comm.reduce_scatter(src, out=buf, op=op, counts=counts, async_op=True))
@@ -365,9 +364,10 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return PycollWork(works, outputs, self._chain(*posts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PycollWork:
-        src = self._premul(opts, input if input.is_contiguous() else input.contiguous(), in_place=False)
+        op, factor = self._op(opts)
+        src = self._premul(factor, input if input.is_contiguous() else input.contiguous(), in_place=False)
         buf, back = self._contig(output)
-        work = self.comm.reduce_scatter(src, out=buf, op=self._op(opts), async_op=True)
+        work = self.comm.reduce_scatter(src, out=buf, op=op, async_op=True)
         return PycollWork([work], [output], back)
 
     _reduce_scatter_base = reduce_scatter_single
