@@ -131,7 +131,7 @@ def cache_put(key: str, link: Link, names: Sequence[str] = ("alpha", "beta")) ->
 
 def spill_probe(key: str) -> Tuple[float, float]:
     """(this host's last-level cache in bytes, measure_spill of it): cached under `key` while the
-    cache size is the same, else measured (about 30 ms) and cached."""
+    cache size is the same, else measured (about 20 ms) and cached."""
     cache_bytes = last_level_cache()
     got = cache_get(key, ("cache", "spill"))
     if got is None or got.alpha != cache_bytes:
@@ -172,9 +172,9 @@ def measure_spill(cache_bytes: int) -> float:
         return 1.0
     out = []
     for nbytes, reps in ((PROBE_BIG, 8), (min(cache_bytes, SPILL_CAP), 5)):
-        src = np.ones(nbytes // 8, np.float64)
-        dst = np.zeros_like(src)  # np.ones/zeros_like touch every page: no first-touch faults below
-        dst += 1.0
+        src = np.ones(nbytes // 8, np.float64)  # writes every page: no first-touch faults while timing
+        dst = np.zeros_like(src)
+        dst += 1.0  # (zeros may come from calloc's untouched pages)
         best = math.inf
         for _ in range(reps):
             t = time.perf_counter()
@@ -322,9 +322,10 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
         t = time.perf_counter()
         params = calibrate(make_channel, rank, topo, transport, params)
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s, one stream %s, %d stream(s) "
-                        "per payload, copies %.2gx slower beyond %.0f MiB of cache", rank, (time.perf_counter() - t) * 1e3,
-                        params.source, params.shm.describe(), params.net.describe(), params.flow_link().describe(),
-                        params.nsocks, params.spill, params.cache / (1 << 20))
+                        "per payload, copies %.2gx slower beyond %.0f MiB of cache", rank,
+                        (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
+                        params.net.describe(), params.flow_link().describe(), params.nsocks, params.spill,
+                        params.cache / (1 << 20))
     return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes)
 
 
