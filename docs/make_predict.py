@@ -152,7 +152,7 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   (the point that most often left 2x). The probe copies 1 MiB in cache, but 8 ranks' 4 MiB buffers and
   their two-shot stage slots touch 64-80 MiB (4 ranks: 32-40 MiB), beyond this machine's 32 MiB L3,
   so those copies run at memory speed. The tuner now reads the last-level cache from sysfs and times a
-  copy twice its size against one in cache (`spill`, 2.5-4x here); a call whose ranks touch more than
+  copy twice its size against one in cache (`spill`, 2.4-4.4x here); a call whose ranks touch more than
   half the cache pays shm beta and gamma times `Params.spill_factor` (docs/topology.md). Those points
   now come out 0.7-1.4x. Re-predicted with the spill (2.7) on session 13's five saved runs, the picks
   within 2x go from 11, 10, 11, 12, 11 to 12 of 12 in all five.

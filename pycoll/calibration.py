@@ -101,21 +101,32 @@ def _cache_entry(key: str) -> Tuple[Optional[str], str]:
     return None if root is None else os.path.join(root, hashlib.sha1(full.encode()).hexdigest() + ".json"), full
 
 
-def cache_get(key: str, names: Sequence[str] = ("alpha", "beta")) -> Optional[Link]:
-    """A cached link measurement younger than CACHE_TTL, else None (`names`: its two values' keys)."""
+def cache_get(key: str) -> Optional[Link]:
+    """A cached link measurement younger than CACHE_TTL, else None."""
+    got = cache_read(key)
+    return Link(got["alpha"], got["beta"]) if got is not None and {"alpha", "beta"} <= got.keys() else None
+
+
+def cache_put(key: str, link: Link) -> None:
+    """Store a link measurement (cache_write)."""
+    cache_write(key, alpha=link.alpha, beta=link.beta)
+
+
+def cache_read(key: str) -> Optional[Dict[str, float]]:
+    """The numbers cached under `key` if younger than CACHE_TTL, else None."""
     path, full = _cache_entry(key)
     try:
         with open(path) as fh:  # type: ignore[arg-type]
             d = json.load(fh)
         if d["key"] == full and time.time() - d["time"] < CACHE_TTL:
-            return Link(float(d[names[0]]), float(d[names[1]]))
+            return {k: float(v) for k, v in d.items() if k not in ("key", "time")}
     except (OSError, TypeError, ValueError, KeyError):
         pass
     return None
 
 
-def cache_put(key: str, link: Link, names: Sequence[str] = ("alpha", "beta")) -> None:
-    """Store a measurement (atomically; a cache that cannot be written is skipped)."""
+def cache_write(key: str, **values: float) -> None:
+    """Store measured numbers under `key` (atomically; a cache that cannot be written is skipped)."""
     path, full = _cache_entry(key)
     if path is None:
         return
@@ -123,7 +134,7 @@ def cache_put(key: str, link: Link, names: Sequence[str] = ("alpha", "beta")) ->
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as fh:
-            json.dump({"key": full, names[0]: link.alpha, names[1]: link.beta, "time": time.time()}, fh)
+            json.dump({"key": full, **values, "time": time.time()}, fh)
         os.replace(tmp, path)
     except OSError:
         pass
@@ -132,12 +143,12 @@ def cache_put(key: str, link: Link, names: Sequence[str] = ("alpha", "beta")) ->
 def spill_probe(key: str) -> Tuple[float, float]:
     """(this host's last-level cache in bytes, measure_spill of it): cached under `key` while the
     cache size is the same, else measured (about 20 ms) and cached."""
-    cache_bytes = last_level_cache()
-    got = cache_get(key, ("cache", "spill"))
-    if got is None or got.alpha != cache_bytes:
-        got = Link(cache_bytes, measure_spill(cache_bytes))
-        cache_put(key, got, ("cache", "spill"))
-    return got.alpha, got.beta
+    cache_bytes = float(last_level_cache())
+    got = cache_read(key)
+    if got is None or got.get("cache") != cache_bytes or "spill" not in got:
+        got = {"cache": cache_bytes, "spill": measure_spill(int(cache_bytes))}
+        cache_write(key, **got)
+    return got["cache"], got["spill"]
 
 
 def probe_pairs(topo: Topology) -> Dict[str, Tuple[int, int]]:

@@ -465,9 +465,9 @@ class Tuner:
     def _hierarchical(self, collective: str, nbytes: float, topo: Topology) -> float:
         """Phase by phase, as algorithms/hierarchical.py runs them (see there)."""
         H, L = topo.nhosts, topo.per_host
-        params = self._priced(nbytes, topo)
         if H == 1:
             return self.predict(collective, "ring", nbytes, topo)
+        params = self._priced(nbytes, topo)
         local = Topology.from_hosts([0] * L, min(topo.cores))
         cross = topo.subset([m[0] for m in topo.members])  # one rank per host, in racks as the hosts are
         if L == 1:

@@ -125,8 +125,10 @@ class ShmBoard(Board):
         self._bytes = {(k, stage): {m: np.frombuffer(slot(boards[m], lanes[m], k, stage), np.uint8) for m in members}
                        for k in range(DEPTH) for stage in kinds}
         self._typed: Dict[Tuple[Any, ...], List[np.ndarray]] = {}  # typed views of the posts, per layout
-        self._order: Sequence[int] = ()  # the last `order` exchange() was given, and it as a tuple
+        # the last `order` exchange() was given, it as a tuple, and this rank's place in it
+        self._order: Sequence[int] = ()
         self._order_key: Tuple[int, ...] = ()
+        self._me = -1
         self._wake, self._wait = wake, wait
         self.calls = 0
 
@@ -141,16 +143,16 @@ class ShmBoard(Board):
         self.calls = b = self.calls + 1
         k, nbytes = b % DEPTH, data.nbytes
         if order is not self._order:
-            self._order, self._order_key = order, tuple(order)
+            self._order, self._order_key, self._me = order, tuple(order), list(order).index(self.rank)
         slots = self._bytes[k, stage]
         h0, h1 = hole
         small = nbytes < PAGE_FROM
+        mine_at = 0 if small else data.ctypes.data % PAGE
         if small:  # every post starts at 0: the views are known before the post, and this rank's is one
             views = self._views((k, stage, data.dtype, data.size, self._order_key, None), slots, order, None)
         if small and h1 <= h0:
-            np.copyto(views[self._order_key.index(self.rank)], data)
+            np.copyto(views[self._me], data)
         else:
-            mine_at = data.ctypes.data % PAGE if not small else 0
             raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
             if h1 > h0:  # in bytes from here
                 h0, h1 = h0 * data.itemsize, h1 * data.itemsize
@@ -163,7 +165,7 @@ class ShmBoard(Board):
         where = _AT + k - _POSTED  # ... and to its offset in the slot
         mine = ctrls[self.rank]
         i = at[self.rank]
-        mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, 0 if small else mine_at
+        mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, mine_at
         # slot, count, signature and offset, then the counter: a peer that sees b sees them, and this
         # rank's reads of earlier calls' slots are done (x86-TSO: stores stay in order, loads before
         # later stores)
