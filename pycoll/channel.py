@@ -12,7 +12,7 @@ from .buffers import flat
 from .errors import ProtocolError
 from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
-from .transports.capabilities import Board, SinkReceive
+from .transports.capabilities import Board, PeerMemory, SinkReceive
 
 if TYPE_CHECKING:
     from .windows import Registry
@@ -145,6 +145,20 @@ class Channel:
             return None
         return [[windows.view(m, int(table[m, i, 0]), int(table[m, i, 1]), arr) for m in range(self.size)]
                 for i, arr in enumerate(arrays)]
+
+    def reaches_peer_memory(self) -> bool:
+        """Whether this rank can copy straight to and from every member's own memory (cross-memory
+        attach, on one host with a board): peer_read and peer_write work."""
+        memory = self.transport.offers(PeerMemory)
+        return memory is not None and self.board is not None and memory.reaches(self.group)
+
+    def peer_read(self, peer: int, address: int, into: np.ndarray) -> None:
+        """Copy into.nbytes bytes at `address` in communicator rank `peer`'s memory into `into`."""
+        self.transport.offers(PeerMemory).read(self.group[peer], address, into)
+
+    def peer_write(self, peer: int, address: int, data: np.ndarray) -> None:
+        """Copy `data` to `address` in communicator rank `peer`'s memory."""
+        self.transport.offers(PeerMemory).write(self.group[peer], address, data)
 
     def stage_bytes(self) -> int:
         """What one stage slot of this communicator's board holds (0: no board, or no stage)."""

@@ -162,6 +162,9 @@ _VARS = [
     Var("PYCOLL_SHM_RING", size(0), "0",
         "bytes of each shm ring, rounded down to a power of two (at least 64 KiB); `0`: up to 16 MiB, "
         "within 256 MiB per host"),
+    Var("PYCOLL_CMA", FLAG, "1",
+        "`1`: single-host ranks may copy straight between each other's memory (process_vm_readv/writev, "
+        "as Open MPI's CMA) where the kernel allows it; `0`: never (large allreduces run two-shot)"),
     Var("PYCOLL_TCP_BULK_THRESHOLD", size(0, unlimited=True), "128K",
         "tcp payloads of this size and more to other ranks travel on a raw stream per pair, read "
         "straight into the posted buffer; smaller ones ride zmq (`inf`: all do)"),

@@ -20,7 +20,7 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
                   "halving_doubling": "halving_doubling:allreduce",
                   "tree": "tree:allreduce_double_tree", "binomial": "tree:allreduce",
                   "hierarchical": "hierarchical:allreduce", "flat_ring": "ring:allreduce",
-                  "oneshot": "oneshot:allreduce", "twoshot": "twoshot:allreduce",
+                  "oneshot": "oneshot:allreduce", "twoshot": "twoshot:allreduce", "cma": "cma:allreduce",
                   "mpi_native": "mpi_native:allreduce"},
     "broadcast": {"oneshot": "oneshot:broadcast", "tree": "tree:broadcast",
                   "ring": "hierarchical:ring_broadcast",
@@ -40,7 +40,7 @@ IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
 }
 ALGORITHM_NAMES = frozenset({"ring", "tree", "halving_doubling", "recursive_doubling", "hierarchical",
                              "pairwise", "linear", "mpi_native", "binomial", "dissemination", "flat_ring",
-                             "oneshot", "twoshot"})
+                             "oneshot", "twoshot", "cma"})
 # chosen only when named: MPI's own collectives, and the ring in plain rank order (for comparison)
 NAMED_ONLY = frozenset({"mpi_native", "flat_ring"})
 COLLECTIVE_ALIASES = {"allgatherv": "allgather", "reducescatter": "reduce_scatter", "bcast": "broadcast"}

@@ -141,13 +141,14 @@ DEFAULT = Params(shm=Link(40e-6, 1 / 1.5e9), net=Link(120e-6, 8 / 10e9), gamma=1
 
 class Round(NamedTuple):
     """`msgs` message latencies back to back (a board post counts BOARD_POST), moving `pairs` (src,
-    dst, bytes), reducing `reduce` bytes per rank;
-    `duplex=False` when a host's sends and receives do not overlap (they add up on its NIC)."""
+    dst, bytes), reducing `reduce` bytes per rank, and `cpu` seconds of other work per rank (crowded
+    like copies); `duplex=False` when a host's sends and receives do not overlap (they add up on its NIC)."""
 
     msgs: float
     pairs: List[Tuple[int, int, float]]
     reduce: float = 0.0
     duplex: bool = True
+    cpu: float = 0.0
 
 
 # -- communication patterns, one per (collective, algorithm) ----------------------------------------
@@ -261,14 +262,14 @@ def double_tree_pattern(nbytes: float, n: int) -> List[Round]:
 
 # -- the model -------------------------------------------------------------------------------------
 MODELED: Dict[str, Tuple[str, ...]] = {
-    "allreduce": ("oneshot", "twoshot", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree",
+    "allreduce": ("oneshot", "twoshot", "cma", "ring", "flat_ring", "recursive_doubling", "halving_doubling", "tree",
                   "binomial", "hierarchical"),
     "broadcast": ("oneshot", "tree", "ring", "hierarchical"),
     "allgather": ("oneshot", "ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "halving_doubling"),
     "reduce": ("oneshot", "tree"),
 }
-FLAT = ("flat_ring", "hierarchical", "oneshot", "twoshot")  # never chosen for a phase of a hierarchical algorithm
+FLAT = ("flat_ring", "hierarchical", "oneshot", "twoshot", "cma")  # never chosen for a phase of a hierarchical algorithm
 
 
 def crowding(rnd: Round, host_of: Sequence[int], cores: Sequence[int]) -> float:
@@ -328,7 +329,7 @@ def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int 
     flow = widest * params.flow_link().beta / params.nsocks if params.flow is not None else 0.0
     mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
     crowd = crowding(rnd, host_of, cores)
-    return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + rnd.reduce * params.gamma * crowd
+    return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + (rnd.reduce * params.gamma + rnd.cpu) * crowd
 
 
 def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
@@ -382,6 +383,23 @@ def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
     return [Round((blocks + 1) * BOARD_POST, pairs, (n - 1) * nbytes / n)]
 
 
+# Cross-memory attach (process_vm_readv/writev) pins and maps every 4 KiB page it copies. CMA_PAGE and
+# cma_pattern's copy term were fitted on two-shot / cma time ratios measured in one interleaved run
+# (1, 4, 16, 64 MiB; 2 and 4 ranks on 2 cores: 0.56, 0.75, 1.15, 1.24 and 0.50, 0.88, 1.26, 1.46):
+# predicted 0.70-1.43 and 0.55-1.18, the faster of the two named right at all eight points.
+CMA_PAGE = 0.5e-6
+
+
+def cma_pattern(nbytes: float, n: int) -> List[Round]:
+    """Two posts. A rank reads its share of every peer's buffer and writes it back reduced: 2(n-1)/n
+    of nbytes copied once by the kernel, the other end a scratch block in cache, priced as a message of
+    (n-1)/2n of nbytes (a message is two copies through memory), plus CMA_PAGE per page copied; it
+    reduces (n-1)/n of nbytes."""
+    pairs = [(a, b, nbytes / (2 * n)) for a in range(n) for b in range(n) if a != b]
+    pages = 2 * (n - 1) * math.ceil(nbytes / n / 4096)
+    return [Round(2 * BOARD_POST, pairs, (n - 1) * nbytes / n, cpu=pages * CMA_PAGE)]
+
+
 class Tuner:
     """Predicts the time of every modeled algorithm and picks the cheapest; `board_bytes` is what a
     shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm), and
@@ -406,6 +424,8 @@ class Tuner:
             return oneshot_pattern(collective, nbytes, n)
         if algorithm == "twoshot":
             return twoshot_pattern(nbytes, n, self.stage_bytes)
+        if algorithm == "cma":
+            return cma_pattern(nbytes, n)
         raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
 
     def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,
@@ -418,6 +438,8 @@ class Tuner:
             return math.inf  # no board: it would run the message-based fallback
         if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes):
             return math.inf
+        if algorithm == "cma" and (topo.nhosts > 1 or not self.board_bytes):
+            return math.inf  # no board to post where the buffers are: it would run two-shot's fallback
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         params = self._priced(nbytes, topo)

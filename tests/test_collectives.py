@@ -138,4 +138,4 @@ def test_pycoll_algo_errors_on_bad_tokens():
         with pytest.raises(ValueError, match="PYCOLL_ALGO"):
             parse_algo(bad)
     assert parse_algo("ring;allreduce:^ring")["allreduce"] == frozenset(
-        {"recursive_doubling", "halving_doubling", "tree", "binomial", "hierarchical", "oneshot", "twoshot"})
+        {"recursive_doubling", "halving_doubling", "tree", "binomial", "hierarchical", "oneshot", "twoshot", "cma"})

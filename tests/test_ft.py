@@ -232,7 +232,8 @@ def test_kill_recover_loop_6_ranks_down_to_2(transport, tmp_path):
 
 # -- a rank killed during each collective and algorithm family ---------------------------------------
 CASES = [("allreduce", "ring"), ("allreduce", "recursive_doubling"), ("allreduce", "halving_doubling"),
-         ("allreduce", "tree"), ("allreduce", "oneshot"), ("allreduce", "twoshot"), ("broadcast", "tree"),
+         ("allreduce", "tree"), ("allreduce", "oneshot"), ("allreduce", "twoshot"), ("allreduce", "cma"),
+         ("broadcast", "tree"),
          ("allgather", "ring"), ("reduce_scatter", "ring"), ("alltoall", "pairwise"), ("barrier", None)]
 
 
@@ -269,7 +270,7 @@ def _killed_during(comm, collective, algo, tmp):
 
 @pytest.mark.parametrize("collective,algo", CASES, ids=[f"{c}-{a}" for c, a in CASES])
 def test_rank_killed_during_each_collective_and_algorithm(collective, algo, tmp_path):
-    transport = "shm" if algo in ("oneshot", "twoshot") else "tcp"  # the board is shared memory
+    transport = "shm" if algo in ("oneshot", "twoshot", "cma") else "tcp"  # the board is shared memory
     env = _env(transport, **({"PYCOLL_ALGO": algo} if algo and collective not in ("allreduce", "broadcast") else {}))
     results = run_ranks(_killed_during, 4, collective, algo, str(tmp_path), env=env, expect_fail=True, timeout=90)
     assert not results[1][0]

@@ -120,11 +120,33 @@ def test_twoshot_only_with_a_stage_on_one_host_and_counted_as_its_copies():
     pair = Topology.from_hosts([0] * 2, cores=8)
     want2 = (32 + 1) * tuner.BOARD_POST * 1e-5 + 3 / 4 * 16 * MIB / 1e9 + 0.5 * 16 * MIB / 2e9
     assert math.isclose(t.predict("allreduce", "twoshot", 16 * MIB, pair), want2)
-    sel = Selector("", t)
+    sel = Selector("allreduce:^cma", t)  # (cma: the next test)
     assert sel.choose("allreduce", 16 * MIB, 4, topo=one_host) == "twoshot"
     assert sel.choose("allreduce", 1 * MIB, 2, topo=pair) == "twoshot"
     assert sel.choose("allreduce", 64 * MIB, 2, topo=pair) == "twoshot"
     assert sel.choose("allreduce", 16 * MIB, 4, topo=two_hosts) != "twoshot"
+
+
+def test_cma_on_one_host_with_a_board_counted_as_single_copies_and_pages():
+    """Cross-memory attach: two posts, (n-1)/n of nbytes read from peers and as much written, priced as
+    a message of (n-1)/2n of nbytes, CMA_PAGE per page copied and (n-1)/n of nbytes reduced; never
+    across hosts or without a board. It beats two-shot on large calls and loses on small ones, where
+    the pages' kernel work outweighs the copies it saves."""
+    params = Params(shm=Link(1e-5, 1 / 1e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 2e9)
+    one_host, two_hosts = Topology.from_hosts([0] * 4, cores=8), interleaved(2, 2)
+    t = Tuner(params, 16 << 10, 512 << 10)
+    pages = 2 * 3 * (4 * MIB // 4096)
+    want = 2 * tuner.BOARD_POST * 1e-5 + 3 / 8 * 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9 + pages * tuner.CMA_PAGE
+    assert math.isclose(t.predict("allreduce", "cma", 16 * MIB, one_host), want)
+    assert t.predict("allreduce", "cma", 16 * MIB, two_hosts) == math.inf
+    assert Tuner(params, 0, 0).predict("allreduce", "cma", 16 * MIB, one_host) == math.inf
+    sel = Selector("", t)
+    assert sel.choose("allreduce", 64 * MIB, 4, topo=one_host) == "cma"
+    measured = Tuner(Params(shm=Link(1.3e-5, 1 / 7.5e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 40e9, cache=32 * MIB,
+                            spill=3.2), 16 << 10, 2 * MIB)
+    cores2 = Topology.from_hosts([0] * 4, cores=2)  # (a calibration of this 2-core machine)
+    assert Selector("", measured).choose("allreduce", MIB, 4, topo=cores2) == "twoshot"
+    assert Selector("", measured).choose("allreduce", 64 * MIB, 4, topo=cores2) == "cma"
 
 
 def test_multi_host_large_messages_go_bandwidth_optimal():
@@ -210,11 +232,11 @@ def _calibrate_with_a_stalled_probe(comm):
 
 
 @pytest.mark.timeout(60)
-def test_a_stalled_shm_probe_leaves_the_default_and_two_shot_for_large_calls():
+def test_a_stalled_shm_probe_leaves_the_default_and_a_board_algorithm_for_large_calls():
     """Kept, such a probe sent 16-64 MiB to binomial for a whole job (docs/benchmarks.md, session 12)."""
     got = run_ranks(_calibrate_with_a_stalled_probe, 2, env={"PYCOLL_TRANSPORT": "shm", "PYCOLL_TUNER_CACHE": "off"})
     for shm, source, pick in got:
-        assert shm == DEFAULT.shm and source == "probe" and pick == "twoshot", got
+        assert shm == DEFAULT.shm and source == "probe" and pick in ("twoshot", "cma"), got
 
 
 def test_cache_entries_of_other_code_are_never_reused(monkeypatch, tmp_path):

@@ -8,9 +8,10 @@ from ..ops import ReduceOp
 
 # the kinds of post, one number each: one-shot's calls, then two-shot's two posts per block, then the
 # posts of the collectives on registered buffers (algorithms/symmetric.py): where the buffers are, and
-# the synchronisations after it
+# the synchronisations after it, then cross-memory attach's two (algorithms/cma.py)
 ALLREDUCE, REDUCE, BROADCAST, ALLGATHER, BARRIER, TWOSHOT_POSTED, TWOSHOT_REDUCED = range(1, 8)
 SYM_ALLREDUCE, SYM_BROADCAST, SYM_ALLGATHER, SYM_REDUCE_SCATTER, SYM_SYNC = range(8, 13)
+CMA_WHERE, CMA_DONE = 13, 14
 _OPS = {op: k for k, op in enumerate(ReduceOp, 1)}
 
 

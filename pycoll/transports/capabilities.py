@@ -115,3 +115,23 @@ class SharedMemory(Capability, ABC):
     @abstractmethod
     def seal(self, handle: int) -> None:
         """Every peer has attached the memory of `handle`: close what they found it by."""
+
+
+class PeerMemory(Capability, ABC):
+    """Copies in one step between this process's memory and a same-host peer's ordinary memory
+    (Linux cross-memory attach, process_vm_readv/writev: Open MPI's single-copy path), so that a
+    collective reads a peer's array where it lies instead of through a stage. Addresses are the
+    peer's own; which ones may be touched, and when, is the layers above's agreement."""
+
+    @abstractmethod
+    def reaches(self, members: Sequence[int]) -> bool:
+        """True if this rank can read and write the memory of every one of `members` (global ranks):
+        probed once per peer, since the kernel may refuse (ptrace rules, seccomp)."""
+
+    @abstractmethod
+    def read(self, peer: int, address: int, into: np.ndarray) -> None:
+        """Copy into.nbytes bytes at `address` in rank `peer`'s memory into the C-contiguous `into`."""
+
+    @abstractmethod
+    def write(self, peer: int, address: int, data: np.ndarray) -> None:
+        """Copy the C-contiguous `data` to `address` in rank `peer`'s memory."""

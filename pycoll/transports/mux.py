@@ -9,7 +9,7 @@ from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Tupl
 
 from ..bootstrap.store import Store
 from .base import ANY, MsgKey, Request, Sink, Transport
-from .capabilities import SharedBoard, SharedMemory, SinkReceive, Striping
+from .capabilities import PeerMemory, SharedBoard, SharedMemory, SinkReceive, Striping
 from .matching import Match, Matcher
 from .shm import ShmTransport
 from .tcp import TcpTransport
@@ -39,8 +39,8 @@ class AutoTransport(Transport):
         if all(t.offers(SinkReceive) for t in parts):
             self.capabilities[SinkReceive] = SinkReceive()
         if self._shm is not None:  # shm's boards and memory reach exactly the ranks routed to shm
-            self.capabilities[SharedBoard] = self._shm.capabilities[SharedBoard]
-            self.capabilities[SharedMemory] = self._shm.capabilities[SharedMemory]
+            for kind in (SharedBoard, SharedMemory, PeerMemory):
+                self.capabilities[kind] = self._shm.capabilities[kind]
 
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout

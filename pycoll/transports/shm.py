@@ -35,6 +35,7 @@ docs/architecture.md).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -57,8 +58,9 @@ from .base import Request, Transport
 from .request import ANY
 from .liveness import PidWatch
 from .matching import Match, Matcher
-from .capabilities import SharedBoard, SharedMemory, SinkReceive
+from .capabilities import PeerMemory, SharedBoard, SharedMemory, SinkReceive
 from .shm_board import BOARD_BYTES, BOARD_CTRL, SLOT_BYTES, STAGE_BYTES, ShmBoard, claim_lane
+from .shm_cma import ShmPeerMemory
 from .shm_window import ShmWindows
 
 SHM_DIR = "/dev/shm"
@@ -75,9 +77,10 @@ _SLICE = 0.1          # longest sleep before re-checking deadlines and whether p
 _LINGER = 5.0         # close(): how long queued sends may take to drain
 _HELLO_AT = 256       # byte offset of the token proof in the segment header and in each control block
 # int64 indices. Segment header: its ring size, "the owner closed its transport", "the owner sleeps
-# on its doorbell" and the owner's pid. Ring control block: the writer's head, the reader's tail and
-# the writer's "sends wait for room", on own lines.
-_RING, _CLOSED, _ASLEEP, _PID = 0, 8, 16, 24
+# on its doorbell", the owner's pid, and where the owner has the header mapped (its address: peers
+# probe cross-memory attach by reading the token proof there, shm_cma.py). Ring control block: the
+# writer's head, the reader's tail and the writer's "sends wait for room", on own lines.
+_RING, _CLOSED, _ASLEEP, _PID, _ADDR = 0, 8, 16, 24, 48
 _CLOSED_AFTER = 2     # _CLOSED: 1 closed normally, _CLOSED_AFTER + r closed because rank r died
 _HEAD, _TAIL, _BLOCKED = 0, 8, 16
 _NAME = re.compile(r"pycoll-[0-9a-f]{16}-[0-9]+\Z")
@@ -198,7 +201,8 @@ class ShmTransport(Transport):
         self._poll = select.poll()
         self._pids = PidWatch(rank, self._poll)  # local peers' processes, polled beside the doorbell
         self.capabilities.update({SinkReceive: SinkReceive(), SharedBoard: _Boards(self),
-                                  SharedMemory: ShmWindows(rank, self._pid_of)})
+                                  SharedMemory: ShmWindows(rank, self._pid_of),
+                                  PeerMemory: ShmPeerMemory(rank, self._probe_of)})
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -262,6 +266,7 @@ class ShmTransport(Transport):
             os.close(fd)
         head = seg[:_PAGE].cast("q")
         head[_RING], head[_PID] = ring, os.getpid()
+        head[_ADDR] = ctypes.addressof(ctypes.c_char.from_buffer(seg))
         head.release()
         return seg
 
@@ -334,6 +339,15 @@ class ShmTransport(Transport):
         """The pid of local rank `rank` (from its segment), None if it is not connected here."""
         p = self._peers[rank]
         return None if p is None else int(p.flags[_PID])
+
+    def _probe_of(self, rank: int) -> Optional[Tuple[int, int, bytes]]:
+        """(pid, address in its own memory, bytes) of local rank `rank`'s token proof, as its segment
+        header shows them (PeerMemory's probe); None if it is not connected here."""
+        p = self._peers[rank]
+        if p is None:
+            return None
+        proof = bytes(p.flags.cast("B")[_HELLO_AT:_HELLO_AT + wire.HELLO.size])
+        return int(p.flags[_PID]), int(p.flags[_ADDR]) + _HELLO_AT, proof
 
     def _peer(self, rank: int) -> _Peer:
         p = self._peers[rank]

@@ -1,0 +1,152 @@
+"""Allreduce by cross-memory attach (algorithms/cma.py, transports/shm_cma.py): every case in place
+and out of place, from 0 elements to several scratch blocks per share, equals numpy's reduction (exact
+for integers) with the same bits on every rank, reads peers through the kernel (counted), works at
+any buffer offset; a rank whose kernel refuses makes every rank run two-shot instead; ranks that pass
+different counts all raise; a rank killed inside the call is named (tests/test_ft.py)."""
+import hashlib
+
+import numpy as np
+import pytest
+
+from multiproc import run_ranks
+from test_board import CASES, SHM, _board_calls, _expected, _inputs
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _counting(comm):
+    """Count this rank's cross-memory reads and writes: [reads, writes]."""
+    from pycoll.transports.capabilities import PeerMemory
+    memory = comm.transport.offers(PeerMemory)
+    counts = [0, 0]
+    read, write = memory.read, memory.write
+
+    def counted_read(peer, address, into):
+        counts[0] += 1
+        read(peer, address, into)
+
+    def counted_write(peer, address, data):
+        counts[1] += 1
+        write(peer, address, data)
+    memory.read, memory.write = counted_read, counted_write
+    return counts
+
+
+def _cma_matrix(comm):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+    from pycoll.algorithms.cma import BLOCK_BYTES
+    counts = _counting(comm)
+    bad, used, digests = [], [], []
+    for dtype, op in CASES:
+        dt = np.dtype(dtype)
+        block = BLOCK_BYTES // dt.itemsize
+        for count in (0, 1, comm.size - 1, 1000, block * comm.size + 1, 2 * block * comm.size + 7):
+            x = _inputs(comm.rank, count, dtype)
+            out = np.empty_like(x)
+            with np.errstate(all="ignore"):
+                before, reads = max(_board_calls(comm), 0), counts[0]
+                comm.allreduce(x, out=out, op=op, algo="cma")
+                comm.allreduce(x, op=op, algo="cma")
+                used.append((_board_calls(comm) - before, counts[0] > reads))
+                want = _expected(comm.size, count, dtype, op)
+            for kind, got in (("out of place", out), ("in place", x)):
+                exact = np.issubdtype(dt, np.integer)
+                if not (got.tobytes() == want.tobytes() if exact else
+                        np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=2e-2, atol=0.1)):
+                    bad.append(f"{dt} {op} count={count} {kind}: wrong")
+            digests.append(hashlib.sha1(x.tobytes()).hexdigest())
+    return bad, used, digests, counts
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_cma_allreduce_is_right_and_the_same_bits_on_every_rank(n):
+    results = run_ranks(_cma_matrix, n, env=SHM, timeout=170)
+    for rank, (bad, used, digests, counts) in enumerate(results):
+        assert not bad, f"rank {rank}: {bad}"
+        # two board posts per call, two calls per count; peers are read once a share has elements
+        assert [posts for posts, _ in used] == [4] * len(used), (rank, used)
+        assert all(read for i, (_, read) in enumerate(used) if i % 6 >= 3), (rank, used)  # 1000 elements up
+        # each block read from every peer is written to every peer; the first call probed each peer once
+        assert counts[0] == counts[1] + n - 1 and counts[1] > 0, counts
+        assert digests == results[0][2], f"rank {rank} got other bits than rank 0"
+
+
+def _offsets(comm):
+    """Plain arrays at another offset within their page on every rank, in and out of place."""
+    offsets = (0, 8, 16, 64, 2048 + 16)
+    count = (3 << 20) // 4 + 5
+    raw, out_raw = np.empty(4 * count + 8192, np.uint8), np.empty(4 * count + 8192, np.uint8)
+    bad = []
+    for i in range(len(offsets)):
+        mine = offsets[(i + comm.rank) % len(offsets)]
+        base = -raw.ctypes.data % 4096 + mine
+        x = raw[base:base + 4 * count].view(np.float32)
+        x[:] = np.arange(count, dtype=np.float32) % 97 + comm.rank
+        want = sum(np.arange(count, dtype=np.float32) % 97 + k for k in range(comm.size))
+        obase = -out_raw.ctypes.data % 4096 + offsets[(i + 2) % len(offsets)]
+        out = out_raw[obase:obase + 4 * count].view(np.float32)
+        comm.allreduce(x, out=out, algo="cma")
+        comm.allreduce(x, algo="cma")
+        if not (np.array_equal(out, want) and np.array_equal(x, want)):
+            bad.append(mine)
+    return bad
+
+
+def test_cma_allreduce_is_right_at_every_buffer_offset():
+    for rank, bad in enumerate(run_ranks(_offsets, 3, env=SHM, timeout=120)):
+        assert not bad, f"rank {rank}: wrong at offsets {bad}"
+
+
+def _refused_on_rank_1(comm):
+    """Rank 1's kernel refuses cross-memory attach (as under seccomp or Yama): every rank runs
+    two-shot, which gets the sum, and nobody copies a block through the kernel."""
+    import pycoll.algorithms.twoshot as twoshot
+    from pycoll.transports.capabilities import PeerMemory
+    if comm.rank == 1:
+        memory = comm.transport.offers(PeerMemory)
+        memory._ok = {memory.rank: True}
+        memory._probe = lambda peer: False
+    counts = _counting(comm)
+    ran = []
+    real = twoshot.allreduce
+
+    def counted(*args, **kwargs):
+        ran.append(1)
+        return real(*args, **kwargs)
+    twoshot.allreduce = counted
+    x = np.arange(3 << 20, dtype=np.float64) * (comm.rank + 1)
+    comm.allreduce(x, algo="cma")
+    return bool(np.array_equal(x, np.arange(3 << 20) * sum(range(1, comm.size + 1)))), len(ran), counts
+
+
+def test_a_rank_that_cannot_reach_its_peers_makes_every_rank_run_two_shot():
+    for rank, (right, twoshots, counts) in enumerate(run_ranks(_refused_on_rank_1, 3, env=SHM)):
+        # (the ranks whose kernel allows it probed their two peers: reads, but no block copied)
+        assert right and twoshots == 1 and counts == ([0, 0] if rank == 1 else [2, 0]), (rank, right, twoshots, counts)
+
+
+def _mismatch(comm, count, other):
+    import pycoll
+    x = np.ones(count if comm.rank == 0 else other, np.float32)
+    try:
+        comm.allreduce(x, algo="cma", timeout=20)
+    except pycoll.ProtocolError as e:
+        return str(e), bool(np.all(x == 1))
+    return "no error", bool(np.all(x == 1))
+
+
+def test_cma_with_different_counts_fails_before_touching_a_buffer():
+    count = 1 << 20
+    for rank, (msg, untouched) in enumerate(run_ranks(_mismatch, 3, count, count + 5, env=SHM)):
+        assert "board post carries" in msg and "did the ranks call" in msg, (rank, msg)
+        assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"
+
+
+def _disabled(comm):
+    from pycoll.transports.capabilities import PeerMemory
+    return comm.transport.offers(PeerMemory).reaches(comm.group)
+
+
+def test_pycoll_cma_0_turns_it_off_and_the_probe_passes_here():
+    assert run_ranks(_disabled, 2, env=SHM) == [True, True]
+    assert run_ranks(_disabled, 2, env={**SHM, "PYCOLL_CMA": "0"}) == [False, False]
