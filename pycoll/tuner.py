@@ -383,21 +383,22 @@ def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
     return [Round((blocks + 1) * BOARD_POST, pairs, (n - 1) * nbytes / n)]
 
 
-# Cross-memory attach (process_vm_readv/writev) pins and maps every 4 KiB page it copies. CMA_PAGE and
-# cma_pattern's copy term were fitted on two-shot / cma time ratios measured in one interleaved run
-# (1, 4, 16, 64 MiB; 2 and 4 ranks on 2 cores: 0.56, 0.75, 1.15, 1.24 and 0.50, 0.88, 1.26, 1.46):
+# Cross-memory attach (process_vm_readv/writev) pins and maps every 4 KiB page it copies: CPU work that
+# does not grow when the data outgrow the cache, counted as CMA_PAGE copies of the page at shm beta.
+# It and cma_pattern's copy term were fitted on two-shot / cma time ratios measured in one interleaved
+# run (1, 4, 16, 64 MiB; 2 and 4 ranks on 2 cores: 0.56, 0.75, 1.15, 1.24 and 0.50, 0.88, 1.26, 1.46):
 # predicted 0.70-1.43 and 0.55-1.18, the faster of the two named right at all eight points.
-CMA_PAGE = 0.5e-6
+CMA_PAGE = 0.9
 
 
-def cma_pattern(nbytes: float, n: int) -> List[Round]:
+def cma_pattern(nbytes: float, n: int, page_seconds: float) -> List[Round]:
     """Two posts. A rank reads its share of every peer's buffer and writes it back reduced: 2(n-1)/n
     of nbytes copied once by the kernel, the other end a scratch block in cache, priced as a message of
-    (n-1)/2n of nbytes (a message is two copies through memory), plus CMA_PAGE per page copied; it
-    reduces (n-1)/n of nbytes."""
+    (n-1)/2n of nbytes (a message is two copies through memory), plus `page_seconds` per page copied;
+    it reduces (n-1)/n of nbytes."""
     pairs = [(a, b, nbytes / (2 * n)) for a in range(n) for b in range(n) if a != b]
     pages = 2 * (n - 1) * math.ceil(nbytes / n / 4096)
-    return [Round(2 * BOARD_POST, pairs, (n - 1) * nbytes / n, cpu=pages * CMA_PAGE)]
+    return [Round(2 * BOARD_POST, pairs, (n - 1) * nbytes / n, cpu=pages * page_seconds)]
 
 
 class Tuner:
@@ -425,7 +426,7 @@ class Tuner:
         if algorithm == "twoshot":
             return twoshot_pattern(nbytes, n, self.stage_bytes)
         if algorithm == "cma":
-            return cma_pattern(nbytes, n)
+            return cma_pattern(nbytes, n, CMA_PAGE * 4096 * self.params.shm.beta)
         raise ValueError(f"the tuner has no model of {collective}/{algorithm}")
 
     def predict(self, collective: str, algorithm: str, nbytes: float, topo: Topology,

@@ -136,7 +136,7 @@ def test_cma_on_one_host_with_a_board_counted_as_single_copies_and_pages():
     one_host, two_hosts = Topology.from_hosts([0] * 4, cores=8), interleaved(2, 2)
     t = Tuner(params, 16 << 10, 512 << 10)
     pages = 2 * 3 * (4 * MIB // 4096)
-    want = 2 * tuner.BOARD_POST * 1e-5 + 3 / 8 * 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9 + pages * tuner.CMA_PAGE
+    want = 2 * tuner.BOARD_POST * 1e-5 + 3 / 8 * 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9 + pages * tuner.CMA_PAGE * 4096 / 1e9
     assert math.isclose(t.predict("allreduce", "cma", 16 * MIB, one_host), want)
     assert t.predict("allreduce", "cma", 16 * MIB, two_hosts) == math.inf
     assert Tuner(params, 0, 0).predict("allreduce", "cma", 16 * MIB, one_host) == math.inf
