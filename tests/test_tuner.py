@@ -131,20 +131,20 @@ def test_cma_on_one_host_with_a_board_counted_as_single_copies_and_pages():
     """Cross-memory attach: two posts, (n-1)/n of nbytes read from peers and as much written, priced as
     a message of (n-1)/2n of nbytes, CMA_PAGE per page copied and (n-1)/n of nbytes reduced; never
     across hosts or without a board. It beats two-shot on large calls and loses on small ones, where
-    the pages' kernel work outweighs the copies it saves."""
+    the pages' kernel work outweighs the copies it saves; without the cache's spill it never does."""
     params = Params(shm=Link(1e-5, 1 / 1e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 2e9)
     one_host, two_hosts = Topology.from_hosts([0] * 4, cores=8), interleaved(2, 2)
     t = Tuner(params, 16 << 10, 512 << 10)
     pages = 2 * 3 * (4 * MIB // 4096)
-    want = 2 * tuner.BOARD_POST * 1e-5 + 3 / 8 * 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9 + pages * tuner.CMA_PAGE * 4096 / 1e9
+    want = (2 * tuner.BOARD_POST * 1e-5 + 3 / 8 * 16 * MIB / 1e9 + 0.75 * 16 * MIB / 2e9
+            + pages * tuner.CMA_PAGE * 4096 / 1e9)
     assert math.isclose(t.predict("allreduce", "cma", 16 * MIB, one_host), want)
     assert t.predict("allreduce", "cma", 16 * MIB, two_hosts) == math.inf
     assert Tuner(params, 0, 0).predict("allreduce", "cma", 16 * MIB, one_host) == math.inf
-    sel = Selector("", t)
-    assert sel.choose("allreduce", 64 * MIB, 4, topo=one_host) == "cma"
+    # with a calibration of this 2-core machine (its cache spill included): two-shot at 1 MiB, cma at 64
     measured = Tuner(Params(shm=Link(1.3e-5, 1 / 7.5e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 40e9, cache=32 * MIB,
                             spill=3.2), 16 << 10, 2 * MIB)
-    cores2 = Topology.from_hosts([0] * 4, cores=2)  # (a calibration of this 2-core machine)
+    cores2 = Topology.from_hosts([0] * 4, cores=2)
     assert Selector("", measured).choose("allreduce", MIB, 4, topo=cores2) == "twoshot"
     assert Selector("", measured).choose("allreduce", 64 * MIB, 4, topo=cores2) == "cma"
 
