@@ -7,7 +7,7 @@ host-ordered ring and the hierarchical algorithms on a made-up two-host Topology
 (tcp carries every message; the algorithms only plan by the Topology), and the algorithms the
 model leaves out (pairwise alltoall, linear gather/scatter, the dissemination barrier), which are
 checked against closed formulas (the ones docs/algorithms.md gives). One job per n over shm runs
-the board algorithms (one-shot, two-shot). In the ranks, the transport's isend records
+the board algorithms (one-shot, two-shot, cma). In the ranks, the transport's isend records
 (src, dst, payload bytes, tag, comm id, call number) of every message, ShmBoard.exchange counts
 every post and hands out slots that record which rank's bytes are read, and the reduction
 functions (ops.combine in the Channel, reduce_into in the algorithms, the ufuncs of the board
@@ -45,6 +45,8 @@ bytes); see tuner.Round):
   its (2n - 1) / n copies of nbytes per rank (in: the stage posts of the others' shares; its own
   reduced share written into its slot; out: the others' reduced shares copied out of the slots):
   the test checks those copies, and that a rank reduces (n - 1) / n of nbytes out of the others' slots.
+  cma's pairs, nbytes / 2n between every two ranks, stand for its 2 (n - 1) / n of nbytes copied once
+  by the kernel per rank (half read from the peers, half written to them): the test counts both.
 
 Hierarchical algorithms: the test assembles their pattern from the phases Tuner._hierarchical
 adds up (ring reduce-scatter/allgather or binomial reduce/broadcast within each host, the
@@ -71,7 +73,7 @@ FLAT = {"allreduce": ["ring", "flat_ring", "recursive_doubling", "halving_doubli
         "allgather": ["ring", "recursive_doubling"],
         "broadcast": ["tree", "ring"],
         "reduce": ["tree"]}
-BOARD = {"allreduce": ["oneshot", "twoshot"], "allgather": ["oneshot"], "broadcast": ["oneshot"],
+BOARD = {"allreduce": ["oneshot", "twoshot", "cma"], "allgather": ["oneshot"], "broadcast": ["oneshot"],
          "reduce": ["oneshot"]}
 HIERARCHICAL = ["allreduce", "broadcast", "allgather"]
 # one message per step, charged ceil(bytes / segment) latencies on purpose (see the module docstring)
@@ -166,8 +168,9 @@ class _Slots(list):
 def _instrument(comm, rec):
     """Record every message and board post of this rank, and count reduced bytes."""
     from pycoll import channel, ops
-    from pycoll.algorithms import halving_doubling, oneshot, recursive_doubling, tree, twoshot
+    from pycoll.algorithms import cma, halving_doubling, oneshot, recursive_doubling, tree, twoshot
     from pycoll.transports import shm_board
+    from pycoll.transports.capabilities import PeerMemory
 
     tr = comm.transport
     real_isend = tr.isend
@@ -204,7 +207,20 @@ def _instrument(comm, rec):
     channel.combine = counted_combine
     for module in (recursive_doubling, halving_doubling, tree):
         module.reduce_into = counted_reduce_into
-    oneshot.ufunc = twoshot.ufunc = counted_ufunc
+    oneshot.ufunc = twoshot.ufunc = cma.ufunc = counted_ufunc
+
+    memory = tr.offers(PeerMemory)
+    if memory is not None and memory.reaches(comm.group):  # (probed before the counting starts)
+        real_read, real_write = memory.read, memory.write
+
+        def read(peer, address, into):
+            rec["cma"][0] += into.nbytes
+            real_read(peer, address, into)
+
+        def write(peer, address, data):
+            rec["cma"][1] += data.nbytes
+            real_write(peer, address, data)
+        memory.read, memory.write = read, write
 
 
 def _run_case(comm, case, selector):
@@ -250,16 +266,17 @@ def _measure(comm, cases, ring_seg, tree_seg):
     assert ring.segment_bytes() == ring_seg  # PYCOLL_RING_SEGMENT, set for the ranks by _sweep
     tree.SEGMENT_BYTES = tuner.TREE_SEGMENT = tree_seg  # tuner's copy: the hierarchical phases' choice
     selector = Selector("", tuner.Tuner(tuner.DEFAULT, SLOT_BYTES, STAGE_BYTES))
-    rec = {"sends": [], "posts": [], "reads": [], "fetched": [], "reduced": 0, "phase": 0, "writes": 0}
+    rec = {"sends": [], "posts": [], "reads": [], "fetched": [], "reduced": 0, "phase": 0, "writes": 0,
+           "cma": [0, 0]}
     _instrument(comm, rec)
     out = []
     for case in cases:
-        rec.update(sends=[], posts=[], reads=[], fetched=[], reduced=0, phase=0, writes=0)
+        rec.update(sends=[], posts=[], reads=[], fetched=[], reduced=0, phase=0, writes=0, cma=[0, 0])
         _run_case(comm, case, selector)
         reads = [(phase, src, nbytes) for phase, src, nbytes in rec["reads"]]
         reads += [(s._phase, s._src, s.nbytes) for s in rec["fetched"] if not s._sliced]
         out.append({"sends": rec["sends"], "posts": rec["posts"], "reads": reads, "reduced": rec["reduced"],
-                    "writes": rec["writes"]})
+                    "writes": rec["writes"], "cma": rec["cma"]})
     return out
 
 
@@ -281,7 +298,7 @@ class Expect:
         from pycoll.tuner import BOARD_POST
         g, n = ranks.__getitem__, len(ranks)
         for rnd in rounds:
-            if algo in ("oneshot", "twoshot"):
+            if algo in ("oneshot", "twoshot", "cma"):
                 self.posts += rnd.msgs / BOARD_POST
                 per_pair = 0
             elif (coll, algo) == ("broadcast", "ring"):
@@ -414,7 +431,7 @@ def _compare(n, case, got_per_rank):
             sent_msgs[src, dst] += 1
     bad = []
     for pair in sorted(set(want.bytes) | set(sent_bytes) | set(want.msgs)):
-        if algo in ("oneshot", "twoshot"):
+        if algo in ("oneshot", "twoshot", "cma"):
             continue
         w_b, g_b, w_m, g_m = want.bytes[pair], sent_bytes[pair], want.msgs[pair], sent_msgs[pair]
         hi = max(w_m, want.msgs_hi[pair])
@@ -431,7 +448,7 @@ def _compare(n, case, got_per_rank):
     slack = ITEM * n * (1 + max(len(g["sends"]) + len(g["posts"]) for g in got_per_rank))
     if any(t > u + slack for t, u in zip(reduced, model)) or abs(max(reduced) - max(model)) > slack:
         bad.append(f"{label}: the ranks reduce {reduced} bytes, the model says at most {[f'{u:.0f}' for u in model]}")
-    if algo in ("oneshot", "twoshot"):
+    if algo in ("oneshot", "twoshot", "cma"):
         bad += _compare_board(label, n, algo, nbytes, want, got_per_rank)
     return bad
 
@@ -450,6 +467,12 @@ def _compare_board(label, n, algo, nbytes, want, got_per_rank):
                     if read != want.bytes[a, r]:
                         bad.append(f"{label}: rank {r} reads {read} bytes of rank {a}'s slot, "
                                    f"the model says {want.bytes[a, r]:.0f}")
+        elif algo == "cma":  # its share read from every peer and written back: per pair nbytes / 2n arriving
+            read, written = got["cma"]
+            arriving = sum(want.bytes[a, r] for a in range(n) if a != r)
+            if read != written or abs(read + written - 4 * arriving) > 2 * ITEM * n:  # (shares: +-1 element)
+                bad.append(f"{label}: rank {r} reads {read} bytes of its peers and writes {written}, the model's "
+                           f"pairs bring it {arriving:.0f} (a quarter of the 2(n-1)/n of {nbytes} copied)")
         else:  # in: the others' shares (stage posts), its own reduced share written into its slot; out:
             # the others' shares, read after each block's second post; together (2n-1)/n of nbytes
             copied_in = sum(nb for _, nb, stage in got["posts"] if stage)
