@@ -22,7 +22,7 @@ from pycoll.topology import Topology
 from pycoll.tuner import Link, Params, Tuner
 
 SIZES = [8, 64 << 10, 1 << 20, 4 << 20]
-ALGOS = ["oneshot", "twoshot", "ring", "recursive_doubling", "halving_doubling", "tree"]
+ALGOS = ["oneshot", "twoshot", "cma", "ring", "recursive_doubling", "halving_doubling", "tree"]
 SUSTAINED_BYTES = 4 << 20
 
 
