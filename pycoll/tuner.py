@@ -269,7 +269,8 @@ MODELED: Dict[str, Tuple[str, ...]] = {
     "reduce_scatter": ("ring", "halving_doubling"),
     "reduce": ("oneshot", "tree"),
 }
-FLAT = ("flat_ring", "hierarchical", "oneshot", "twoshot", "cma")  # never chosen for a phase of a hierarchical algorithm
+# never chosen for a phase of a hierarchical algorithm
+FLAT = ("flat_ring", "hierarchical", "oneshot", "twoshot", "cma")
 
 
 def crowding(rnd: Round, host_of: Sequence[int], cores: Sequence[int]) -> float:

@@ -298,12 +298,12 @@ def test_twoshot_falls_back_to_halving_doubling_without_a_stage(transport):
             assert calls[:STAGE_LANES] == [3] * STAGE_LANES and calls[STAGE_LANES:] == [0, 0], calls
 
 
-def _twoshot_mismatch(comm, count, other):
-    """Rank 0 allreduces `count` floats, the others `other`; then all allreduce the same."""
+def _count_mismatch(comm, count, other, algo="twoshot"):
+    """Rank 0 allreduces `count` floats with `algo`, the others `other`."""
     import pycoll
     x = np.ones(count if comm.rank == 0 else other, np.float32)
     try:
-        comm.allreduce(x, algo="twoshot", timeout=20)
+        comm.allreduce(x, algo=algo, timeout=20)
     except pycoll.ProtocolError as e:
         return str(e), bool(np.all(x == 1))
     return "no error", bool(np.all(x == 1))
@@ -313,6 +313,6 @@ def _twoshot_mismatch(comm, count, other):
 def test_twoshot_with_different_counts_fails_at_the_first_block(extra):
     from pycoll.transports.shm_board import STAGE_BYTES
     count = 2 * STAGE_BYTES // 4
-    for rank, (msg, untouched) in enumerate(run_ranks(_twoshot_mismatch, 3, count, count + extra, env=SHM)):
+    for rank, (msg, untouched) in enumerate(run_ranks(_count_mismatch, 3, count, count + extra, env=SHM)):
         assert "board post carries" in msg and "did the ranks call" in msg, (rank, msg)
         assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"

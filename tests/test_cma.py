@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from multiproc import run_ranks
-from test_board import CASES, SHM, _board_calls, _expected, _inputs
+from test_board import CASES, SHM, _board_calls, _count_mismatch, _expected, _inputs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,19 +125,9 @@ def test_a_rank_that_cannot_reach_its_peers_makes_every_rank_run_two_shot():
         assert right and twoshots == 1 and counts == ([0, 0] if rank == 1 else [2, 0]), (rank, right, twoshots, counts)
 
 
-def _mismatch(comm, count, other):
-    import pycoll
-    x = np.ones(count if comm.rank == 0 else other, np.float32)
-    try:
-        comm.allreduce(x, algo="cma", timeout=20)
-    except pycoll.ProtocolError as e:
-        return str(e), bool(np.all(x == 1))
-    return "no error", bool(np.all(x == 1))
-
-
 def test_cma_with_different_counts_fails_before_touching_a_buffer():
     count = 1 << 20
-    for rank, (msg, untouched) in enumerate(run_ranks(_mismatch, 3, count, count + 5, env=SHM)):
+    for rank, (msg, untouched) in enumerate(run_ranks(_count_mismatch, 3, count, count + 5, "cma", env=SHM)):
         assert "board post carries" in msg and "did the ranks call" in msg, (rank, msg)
         assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"
 

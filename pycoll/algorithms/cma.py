@@ -9,8 +9,9 @@ entered the call), one after the last write says nobody touches anyone's buffers
 
 Per rank that is (n-1)/n of the data read from peers and as much written to them, one kernel copy
 each, with the scratch block in cache: where two-shot copies (2n-1)/n of it through the stage in
-shared memory and reads the peers' slots again. Measured on 2 cores, 16 MiB: 1.3-1.5x two-shot's
-speed at 4 ranks, 1.35x at 2; below about 4 MiB the system calls cost more than they save. If any
+shared memory and reads the peers' slots again. Measured on 2 cores against two-shot in one job:
+1.26x its speed at 16 MiB and 1.46x at 64 MiB on 4 ranks, 1.15x and 1.24x on 2; below about 4 MiB the
+kernel's work per page costs more than the copies save (docs/algorithms.md has the table). If any
 rank cannot reach its peers' memory this way (PYCOLL_CMA=0, the kernel refuses), every rank runs
 two-shot instead, decided from the first post. Each share is reduced once (its owner's input first,
 then the others in rank order, as two-shot does with its own shares), so every rank ends with the
