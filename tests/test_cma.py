@@ -140,3 +140,22 @@ def _disabled(comm):
 def test_pycoll_cma_0_turns_it_off_and_the_probe_passes_here():
     assert run_ranks(_disabled, 2, env=SHM) == [True, True]
     assert run_ranks(_disabled, 2, env={**SHM, "PYCOLL_CMA": "0"}) == [False, False]
+
+
+def _async_on_two_communicators(comm):
+    """Async calls on the world and a duplicate at once: two worker threads run cma side by side, each
+    with its own scratch block."""
+    dup = comm.dup()
+    n, r = comm.size, comm.rank
+    xs = [np.arange(3 << 18, dtype=np.float32) % 101 * (r + 1 + k) for k in range(4)]
+    works = [(comm if k % 2 == 0 else dup).allreduce(x, algo="cma", async_op=True) for k, x in enumerate(xs)]
+    for w in works:
+        w.wait()
+    dup.close()
+    return [bool(np.array_equal(x, np.arange(3 << 18, dtype=np.float32) % 101 * sum(q + 1 + k for q in range(n))))
+            for k, x in enumerate(xs)]
+
+
+def test_async_cma_calls_on_two_communicators_at_once():
+    for rank, ok in enumerate(run_ranks(_async_on_two_communicators, 3, env=SHM)):
+        assert all(ok), (rank, ok)
