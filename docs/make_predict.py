@@ -170,8 +170,9 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
 - session 14's runs of this table, the tuner's picks within 2x: 8, 11, 11, 10 and 12 of 12 (session 13,
   before the spill: 11, 10, 11, 12, 11, 9). Every pick that left 2x in session 14 is 2-rank two-shot in
   a slow job (2.1-3.5x: the bimodal state above) or 1 MiB on 4 ranks (2.0-2.1x). Session 15 added cma
-  (cross-memory attach, docs/algorithms.md) to the candidates and to the table; up to 4 MiB it is never
-  the pick. Its runs: 12, 10 (both misses two-shot at 1 MiB: 2.01x and 2.15x) and, for the table above, 12 of 12.
+  (cross-memory attach, docs/algorithms.md) to the candidates and to the table; below 4 MiB it is never
+  the pick, at 4 MiB it is on some probes. Its runs: 12, 10 (both misses two-shot at 1 MiB: 2.01x and
+  2.15x), 12 and, after its page cost was refitted (CMA_PAGE 0.9 -> 0.6), for the table above, 12 of 12.
 - history: the first fit (session 10, at load 4.5-10) charged 0.25 ms x crowd per call and 0.25 ms per
   wake; session 11 refitted on a quiet machine to 0.04 ms x crowd and 0.1 ms. That priced a call
   with a core per rank 2-3x too slow (8 B on 2 ranks: 45 us predicted, 17-22 us measured). Session

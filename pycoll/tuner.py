@@ -386,10 +386,12 @@ def twoshot_pattern(nbytes: float, n: int, stage_bytes: int) -> List[Round]:
 
 # Cross-memory attach (process_vm_readv/writev) pins and maps every 4 KiB page it copies: CPU work that
 # does not grow when the data outgrow the cache, counted as CMA_PAGE copies of the page at shm beta.
-# It and cma_pattern's copy term were fitted on two-shot / cma time ratios measured in one interleaved
-# run (1, 4, 16, 64 MiB; 2 and 4 ranks on 2 cores: 0.56, 0.75, 1.15, 1.24 and 0.50, 0.88, 1.26, 1.46):
-# predicted 0.70-1.43 and 0.55-1.18, the faster of the two named right at all eight points.
-CMA_PAGE = 0.9
+# Fitted on two-shot / cma time ratios measured interleaved here (2 ranks 0.56, 0.75, 1.15, 1.24 and 4 ranks
+# 0.50, 0.88, 1.26, 1.46 at 1, 4, 16, 64 MiB; 3 ranks 1.42, 1.73 and 8 ranks 0.95, 1.49 at 4, 16 MiB), priced
+# with eight calibrations of this machine (its spill 2.0-3.2): 0.6 makes no wrong pick from 16 MiB up and
+# the fewest costly ones (at 4 MiB only, where the two are 0.75-1.42x apart); 0.9 left 16 MiB on 4 ranks
+# to the probe's noise.
+CMA_PAGE = 0.6
 
 
 def cma_pattern(nbytes: float, n: int, page_seconds: float) -> List[Round]:
