@@ -159,3 +159,61 @@ def _async_on_two_communicators(comm):
 def test_async_cma_calls_on_two_communicators_at_once():
     for rank, ok in enumerate(run_ranks(_async_on_two_communicators, 3, env=SHM)):
         assert all(ok), (rank, ok)
+
+
+def _data_movement(comm):
+    """reduce_scatter (equal and uneven blocks), allgather and broadcast (every root) by cma, at counts
+    from 0 to several scratch blocks, against numpy; reads counted; allgatherv (counts) falls back."""
+    from pycoll.algorithms.cma import BLOCK_BYTES
+    counts = _counting(comm)
+    n, r = comm.size, comm.rank
+    bad = []
+    for dt in (np.float32, np.int64, np.float16):
+        for count in (0, 1, 1000, 2 * BLOCK_BYTES // np.dtype(dt).itemsize + 3):
+            before = counts[0]
+            x = (np.arange(count) % 13 + r).astype(dt)
+            if not np.array_equal(comm.allgather(x, algo="cma"), np.stack([(np.arange(count) % 13 + k).astype(dt)
+                                                                           for k in range(n)])):
+                bad.append(f"allgather {dt.__name__} {count}")
+            for root in range(n):
+                y = (np.arange(count) % 11 * (r + 1)).astype(dt)
+                comm.broadcast(y, root=root, algo="cma")
+                if not np.array_equal(y, (np.arange(count) % 11 * (root + 1)).astype(dt)):
+                    bad.append(f"broadcast {dt.__name__} {count} root {root}")
+            for blocks in ([count] * n, [count + k for k in range(n)]):
+                z = (np.arange(sum(blocks)) % 5 * (r + 1)).astype(dt)
+                got = comm.reduce_scatter(z, counts=blocks, algo="cma").reshape(-1)
+                full = (np.arange(sum(blocks)) % 5 * sum(range(1, n + 1))).astype(dt)
+                if not np.array_equal(got, full[sum(blocks[:r]):sum(blocks[:r + 1])]):
+                    bad.append(f"reduce_scatter {dt.__name__} {blocks}")
+            if count and counts[0] == before:
+                bad.append(f"{dt.__name__} {count}: no cross-memory read")
+    v = comm.allgatherv(np.full(r + 1, r, np.int32), [k + 1 for k in range(n)], algo="cma")
+    if not np.array_equal(v, np.concatenate([np.full(k + 1, k, np.int32) for k in range(n)])):
+        bad.append("allgatherv")
+    return bad, counts[1]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cma_reduce_scatter_allgather_and_broadcast(n):
+    for rank, (bad, writes) in enumerate(run_ranks(_data_movement, n, env=SHM, timeout=170)):
+        assert not bad and writes == 0, (rank, bad, writes)  # (these only read their peers)
+
+
+def _mixed_calls(comm):
+    """Rank 0 calls allgather where the others call broadcast, both by cma: every rank raises."""
+    import pycoll
+    x = np.ones(1 << 16, np.float32)
+    try:
+        if comm.rank == 0:
+            comm.allgather(x, algo="cma", timeout=20)
+        else:
+            comm.broadcast(x, algo="cma", timeout=20)
+    except pycoll.ProtocolError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cma_calls_of_different_collectives_raise_on_every_rank():
+    for rank, msg in enumerate(run_ranks(_mixed_calls, 3, env=SHM)):
+        assert "board post carries" in msg, (rank, msg)

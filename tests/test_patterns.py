@@ -45,8 +45,10 @@ bytes); see tuner.Round):
   its (2n - 1) / n copies of nbytes per rank (in: the stage posts of the others' shares; its own
   reduced share written into its slot; out: the others' reduced shares copied out of the slots):
   the test checks those copies, and that a rank reduces (n - 1) / n of nbytes out of the others' slots.
-  cma's pairs, nbytes / 2n between every two ranks, stand for its 2 (n - 1) / n of nbytes copied once
-  by the kernel per rank (half read from the peers, half written to them): the test counts both.
+  cma's pairs stand for single kernel copies, a quarter of a message's bytes where the other end is
+  the scratch block (allreduce: its share read from every peer and written back; reduce_scatter: the
+  reads) and half where both ends are arrays (allgather: every peer's block; broadcast: the root's
+  buffer): the test counts the bytes read and written.
 
 Hierarchical algorithms: the test assembles their pattern from the phases Tuner._hierarchical
 adds up (ring reduce-scatter/allgather or binomial reduce/broadcast within each host, the
@@ -73,8 +75,8 @@ FLAT = {"allreduce": ["ring", "flat_ring", "recursive_doubling", "halving_doubli
         "allgather": ["ring", "recursive_doubling"],
         "broadcast": ["tree", "ring"],
         "reduce": ["tree"]}
-BOARD = {"allreduce": ["oneshot", "twoshot", "cma"], "allgather": ["oneshot"], "broadcast": ["oneshot"],
-         "reduce": ["oneshot"]}
+BOARD = {"allreduce": ["oneshot", "twoshot", "cma"], "allgather": ["oneshot", "cma"], "broadcast": ["oneshot", "cma"],
+         "reduce": ["oneshot"], "reduce_scatter": ["cma"]}
 HIERARCHICAL = ["allreduce", "broadcast", "allgather"]
 # one message per step, charged ceil(bytes / segment) latencies on purpose (see the module docstring)
 ONE_MESSAGE_PER_STEP = {("allreduce", "recursive_doubling"), ("reduce_scatter", "halving_doubling")}
@@ -94,7 +96,7 @@ def _cases(n, sizes, board):
                 for algo in algos:
                     if algo == "oneshot" and count * ITEM > 16 << 10:
                         continue  # no slot that big: the message-based fallback would run
-                    cases.append((coll, algo, count, None, 0))
+                    cases.append((coll, algo, _count(coll, count, n), None, 0))
         return cases + [("barrier", "oneshot", 0, None, 0)]
     for count in sizes:
         for coll, algos in FLAT.items():
@@ -449,11 +451,11 @@ def _compare(n, case, got_per_rank):
     if any(t > u + slack for t, u in zip(reduced, model)) or abs(max(reduced) - max(model)) > slack:
         bad.append(f"{label}: the ranks reduce {reduced} bytes, the model says at most {[f'{u:.0f}' for u in model]}")
     if algo in ("oneshot", "twoshot", "cma"):
-        bad += _compare_board(label, n, algo, nbytes, want, got_per_rank)
+        bad += _compare_board(label, n, coll, algo, nbytes, want, got_per_rank)
     return bad
 
 
-def _compare_board(label, n, algo, nbytes, want, got_per_rank):
+def _compare_board(label, n, coll, algo, nbytes, want, got_per_rank):
     bad = []
     for r, got in enumerate(got_per_rank):
         if got["sends"]:
@@ -467,12 +469,14 @@ def _compare_board(label, n, algo, nbytes, want, got_per_rank):
                     if read != want.bytes[a, r]:
                         bad.append(f"{label}: rank {r} reads {read} bytes of rank {a}'s slot, "
                                    f"the model says {want.bytes[a, r]:.0f}")
-        elif algo == "cma":  # its share read from every peer and written back: per pair nbytes / 2n arriving
+        elif algo == "cma":  # single copies: a quarter of a message through the scratch block, else half
             read, written = got["cma"]
             arriving = sum(want.bytes[a, r] for a in range(n) if a != r)
-            if read != written or abs(read + written - 4 * arriving) > 2 * ITEM * n:  # (shares: +-1 element)
+            share = 4 if coll in ("allreduce", "reduce_scatter") else 2
+            if coll != "allreduce" and written or coll == "allreduce" and read != written \
+                    or abs(read + written - share * arriving) > 2 * ITEM * n:  # (shares: +-1 element)
                 bad.append(f"{label}: rank {r} reads {read} bytes of its peers and writes {written}, the model's "
-                           f"pairs bring it {arriving:.0f} (a quarter of the 2(n-1)/n of {nbytes} copied)")
+                           f"pairs bring it {arriving:.0f} (1/{share} of the bytes copied)")
         else:  # in: the others' shares (stage posts), its own reduced share written into its slot; out:
             # the others' shares, read after each block's second post; together (2n-1)/n of nbytes
             copied_in = sum(nb for _, nb, stage in got["posts"] if stage)

@@ -149,6 +149,27 @@ def test_cma_on_one_host_with_a_board_counted_as_single_copies_and_pages():
     assert Selector("", measured).choose("allreduce", 64 * MIB, 4, topo=cores2) == "cma"
 
 
+
+def test_cma_data_movement_counted_as_single_copies_and_pages():
+    """reduce_scatter reads (n-1)/n of nbytes through the scratch block (a quarter of a message per byte)
+    and reduces it; allgather copies n-1 blocks of nbytes/n straight into its output and broadcast nbytes
+    out of the root (half a message per byte); each page costs CMA_PAGE copies of it besides. Never
+    across hosts."""
+    params = Params(shm=Link(1e-5, 1 / 1e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 2e9)
+    four = Topology.from_hosts([0] * 4, cores=8)
+    t = Tuner(params, 16 << 10, 512 << 10)
+    page = tuner.CMA_PAGE * 4096 / 1e9
+    posts = 2 * tuner.BOARD_POST * 1e-5
+    S = 16 * MIB
+    assert math.isclose(t.predict("reduce_scatter", "cma", S, four),
+                        posts + 3 / 16 * S / 1e9 + 0.75 * S / 2e9 + 3 * (S // 4 // 4096) * page)
+    assert math.isclose(t.predict("allgather", "cma", S, four), posts + 3 / 8 * S / 1e9 + 3 * (S // 4 // 4096) * page)
+    # (three ranks read the root's buffer: the model charges the root's memory with all of them)
+    assert math.isclose(t.predict("broadcast", "cma", S, four), posts + 3 * S / 2 / 1e9 + (S // 4096) * page)
+    for coll in ("reduce_scatter", "allgather", "broadcast"):
+        assert t.predict(coll, "cma", S, interleaved(2, 2)) == math.inf
+
+
 def test_multi_host_large_messages_go_bandwidth_optimal():
     sel = Selector("", Tuner(replace_net(DEFAULT, BETA)))
     for hosts, per_host in ((2, 2), (4, 2), (3, 2), (2, 3)):
