@@ -233,8 +233,8 @@ def test_kill_recover_loop_6_ranks_down_to_2(transport, tmp_path):
 # -- a rank killed during each collective and algorithm family ---------------------------------------
 CASES = [("allreduce", "ring"), ("allreduce", "recursive_doubling"), ("allreduce", "halving_doubling"),
          ("allreduce", "tree"), ("allreduce", "oneshot"), ("allreduce", "twoshot"), ("allreduce", "cma"),
-         ("broadcast", "tree"),
-         ("allgather", "ring"), ("reduce_scatter", "ring"), ("alltoall", "pairwise"), ("barrier", None)]
+         ("broadcast", "tree"), ("allgather", "ring"), ("allgather", "cma"), ("reduce_scatter", "ring"),
+         ("reduce_scatter", "cma"), ("alltoall", "pairwise"), ("barrier", None)]
 
 
 def _killed_during(comm, collective, algo, tmp):
