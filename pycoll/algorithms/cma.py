@@ -1,9 +1,9 @@
 """Collectives by cross-memory attach: every rank reads its peers' ordinary arrays where they lie, as
 symmetric.py does for registered buffers, but through the kernel (process_vm_readv/writev, Open
-MPI's single-copy path) instead of a shared mapping. Rank r alone reads and writes share r of every
-rank's buffer: block by block it copies each peer's share into a scratch block that stays in cache,
-reduces it into its own buffer (its own input first, then the others in rank order), and writes the
-reduced block into every peer's buffer. No other rank touches share r anywhere, so the two halves need
+MPI's single-copy path) instead of a shared mapping. Allreduce: rank r alone reads and writes share r
+of every rank's buffer: block by block it copies each peer's share into a scratch block that stays in
+cache, reduces it into its own buffer (its own input first, then the others in rank order), and
+writes the reduced block into every peer's buffer. No other rank touches share r anywhere, so the two halves need
 no synchronisation between them: one board post says where every rank's buffers are (and that it
 entered the call), one after the last write says nobody touches anyone's buffers any more.
 
@@ -26,7 +26,7 @@ peer's buffer.
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -71,7 +71,7 @@ def _done(ch: Channel, sig: int) -> None:
     ch.board_exchange(_NOTHING, sig)
 
 
-def _reduce_block(ch: Channel, fn, mine: np.ndarray, acc: np.ndarray, addresses: Sequence[int], offset: int,
+def _reduce_block(ch: Channel, fn: Callable, mine: np.ndarray, acc: np.ndarray, addresses: Sequence[int], offset: int,
                   scratch: np.ndarray) -> None:
     """acc = mine op each peer's elements at byte `offset` of its array (at `addresses`), in rank
     order, each read into `scratch` first (acc may be mine)."""
