@@ -456,7 +456,7 @@ class Tuner:
         if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes):
             return math.inf
         if algorithm == "cma" and (topo.nhosts > 1 or not self.board_bytes):
-            return math.inf  # no board to post where the buffers are: it would run two-shot's fallback
+            return math.inf  # no board to post where the buffers are: it would run its fallback
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         params = self._priced(nbytes, topo)

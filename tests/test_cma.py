@@ -217,3 +217,25 @@ def _mixed_calls(comm):
 def test_cma_calls_of_different_collectives_raise_on_every_rank():
     for rank, msg in enumerate(run_ranks(_mixed_calls, 3, env=SHM)):
         assert "board post carries" in msg, (rank, msg)
+
+
+def _dtype_mismatch(comm, collective):
+    """Rank 0 passes float32, the others float64, the same count: the board's signature cannot see the
+    difference (it checks the posted row), so cma compares dtypes before any copy."""
+    import pycoll
+    x = np.ones(1 << 18, np.float32 if comm.rank == 0 else np.float64)
+    try:
+        if collective == "allreduce":
+            comm.allreduce(x, algo="cma", timeout=20)
+        else:
+            comm.allgather(x, algo="cma", timeout=20)
+    except pycoll.ProtocolError as e:
+        return str(e), bool(np.all(x == 1))
+    return "no error", bool(np.all(x == 1))
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allgather"])
+def test_cma_with_different_dtypes_fails_before_touching_a_buffer(collective):
+    for rank, (msg, untouched) in enumerate(run_ranks(_dtype_mismatch, 3, collective, env=SHM)):
+        assert "different dtypes" in msg, (rank, msg)
+        assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"

@@ -31,7 +31,8 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from ..channel import Channel
-from ..ops import ReduceOp, ufunc
+from ..errors import ProtocolError
+from ..ops import ReduceOp, dtype_code, ufunc
 from . import halving_doubling, recursive_doubling, tree, twoshot
 from .board_signature import CMA_DONE, CMA_WHERE, board_signature
 from .ring import chunk_bounds, displacements
@@ -57,13 +58,23 @@ def _signature(kind: int, collective: int, count: int, op: Optional[ReduceOp] = 
 
 
 def _where(ch: Channel, sig: int, *arrays: np.ndarray) -> Optional[List[List[int]]]:
-    """Post whether this rank reaches every peer's memory and where `arrays` are; every rank's
-    addresses, or None (on every rank alike) if any rank cannot reach its peers or there is no board."""
-    row = np.array([ch.reaches_peer_memory()] + [a.ctypes.data for a in arrays], np.int64)
+    """Post whether this rank reaches every peer's memory, its arrays' dtype and where `arrays` are;
+    every rank's addresses, or None (on every rank alike) if any rank cannot reach its peers or there
+    is no board. The board checks the signature (collective, op, root, count) but sees only this row's
+    dtype, so the arrays' dtype is compared here: every rank raises ProtocolError before any copy
+    (a peer with a wider dtype would read and write past the end of this rank's array)."""
+    code = dtype_code(arrays[0].dtype)
+    row = np.array([ch.reaches_peer_memory(), code] + [a.ctypes.data for a in arrays], np.int64)
     posts = ch.board_exchange(row, sig)
-    if posts is None or not all(p[0] for p in posts):
+    if posts is None:
         return None
-    return [[int(v) for v in p[1:]] for p in posts]
+    for p, post in enumerate(posts):
+        if post[1] != code:
+            raise ProtocolError(f"{ch.what}: rank {ch.rank}: rank {p} passed dtype code {int(post[1])}, this rank "
+                                f"{code} ({arrays[0].dtype}); did the ranks call with different dtypes?", ch.group[p])
+    if not all(p[0] for p in posts):
+        return None
+    return [[int(v) for v in p[2:]] for p in posts]
 
 
 def _done(ch: Channel, sig: int) -> None:
