@@ -239,3 +239,26 @@ def test_cma_with_different_dtypes_fails_before_touching_a_buffer(collective):
     for rank, (msg, untouched) in enumerate(run_ranks(_dtype_mismatch, 3, collective, env=SHM)):
         assert "different dtypes" in msg, (rank, msg)
         assert untouched, f"rank {rank}: its buffer changed before the mismatch was found"
+
+
+def _counts_mismatch(comm):
+    """reduce_scatter with the same total but other counts on rank 0: every rank would read its peers'
+    arrays where its own counts say, so cma compares the counts before any copy."""
+    import pycoll
+    n = comm.size
+    counts = [1000 * (k + 1) for k in range(n)]
+    if comm.rank == 0:
+        counts = counts[::-1]
+    x = np.ones(sum(counts), np.float32)
+    out = np.full(counts[comm.rank], 7, np.float32)
+    try:
+        comm.reduce_scatter(x, out, counts=counts, algo="cma", timeout=20)
+    except pycoll.ProtocolError as e:
+        return str(e), bool(np.all(out == 7))
+    return "no error", bool(np.all(out == 7))
+
+
+def test_cma_reduce_scatter_with_other_counts_of_the_same_total_raises_on_every_rank():
+    for rank, (msg, untouched) in enumerate(run_ranks(_counts_mismatch, 3, env=SHM)):
+        assert "board post carries" in msg and "counts" in msg, (rank, msg)
+        assert untouched, f"rank {rank}: its output changed before the mismatch was found"

@@ -43,6 +43,8 @@ MISMATCHES: Dict[str, Tuple[Callable[[Any, bool], Any], str]] = {
     "collective": (lambda c, odd: c.broadcast(_x(c)) if odd else c.allreduce(_x(c)), "collective"),
     "per-rank counts": (lambda c, odd: c.allgatherv(_x(c, _counts(c.size, odd)[c.rank]), _counts(c.size, odd)),
                         "per-rank counts"),
+    "reduce_scatter counts": (lambda c, odd: c.reduce_scatter(_x(c, 2 * c.size), counts=_counts(c.size, odd)),
+                              "per-rank counts"),
     "async count": (lambda c, odd: c.allreduce(_x(c, 10 + odd), async_op=True).wait(), "count"),
     "count on a dup": (lambda c, odd: c.dup().allreduce(_x(c, 10 + odd)), "count"),
 }
@@ -100,7 +102,8 @@ def test_detail_message_spells_out_both_calls(detail):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", ["count", "dtype", "per-rank counts", "async count", "count on a dup"])
+@pytest.mark.parametrize("case", ["count", "dtype", "per-rank counts", "reduce_scatter counts", "async count",
+                                  "count on a dup"])
 def test_without_detail_size_and_dtype_mismatches_are_protocol_errors(plain, case):
     for rank, outcomes in enumerate(plain):
         got = outcomes[case]

@@ -133,15 +133,22 @@ def _size_mismatch(comm):
         out.append("no error")
     except pycoll.ProtocolError as e:
         out.append("same sizes and dtypes" in str(e))
+    counts = [1000 * (k + 1) for k in range(comm.size)][::1 if comm.rank else -1]  # rank 0 splits it otherwise
+    got = np.full(counts[comm.rank], 7, np.float32)
+    try:
+        comm.reduce_scatter(x[:sum(counts)], got, counts=counts, timeout=20)
+        out.append("no error")
+    except pycoll.ProtocolError as e:
+        out.append("board post carries" in str(e) and bool((got == 7).all()))
     x[:] = 1
     comm.allreduce(x)  # still works
     out.append(bool((x == comm.size).all()))
     return out
 
 
-def test_mismatched_sizes_raise_on_every_rank_and_the_communicator_goes_on():
+def test_mismatched_sizes_and_counts_raise_on_every_rank_and_the_communicator_goes_on():
     for rank, out in enumerate(run_ranks(_size_mismatch, 3, env=SHM)):
-        assert out == [True, True, True], (rank, out)
+        assert out == [True, True, True, True], (rank, out)
 
 
 def _torch_tensors(comm):

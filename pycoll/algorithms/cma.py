@@ -34,7 +34,7 @@ from ..channel import Channel
 from ..errors import ProtocolError
 from ..ops import ReduceOp, dtype_code, ufunc
 from . import halving_doubling, recursive_doubling, tree, twoshot
-from .board_signature import CMA_DONE, CMA_WHERE, board_signature
+from .board_signature import CMA_DONE, CMA_WHERE, board_signature, counts_digest
 from .ring import chunk_bounds, displacements
 
 BLOCK_BYTES = 1 << 20  # a scratch block and the block it is reduced into stay in L2; fewer system calls than 256 KiB
@@ -127,7 +127,8 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
     """recv = block `rank` (counts[rank] elements) of op over every rank's `send`, read from the peers'
     own arrays through the scratch block; halving-doubling where any rank cannot reach the others."""
     counts = [recv.size] * ch.size if counts is None else list(counts)
-    where = _where(ch, _signature(CMA_WHERE, _REDUCE_SCATTER, send.size, op), send)
+    shape = counts_digest(counts)  # in place of the count: ranks that split the total differently raise
+    where = _where(ch, _signature(CMA_WHERE, _REDUCE_SCATTER, shape, op), send)
     if where is None:
         halving_doubling.reduce_scatter(ch, send, recv, op, counts)
         return
@@ -139,7 +140,7 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
     for a in range(0, counts[me], step):
         b = min(counts[me], a + step)
         _reduce_block(ch, fn, send[lo + a:lo + b], recv[a:b], sources, (lo + a) * isz, scratch[:b - a])
-    _done(ch, _signature(CMA_DONE, _REDUCE_SCATTER, send.size, op))
+    _done(ch, _signature(CMA_DONE, _REDUCE_SCATTER, shape, op))
 
 
 def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None) -> None:

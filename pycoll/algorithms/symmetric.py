@@ -80,7 +80,7 @@ def reduce_scatter(ch: Channel, src: np.ndarray, dst: np.ndarray, op: ReduceOp, 
                    fallback: Callable) -> None:
     """dst = this rank's block (of `counts`) of op over every rank's `src`, read in place where every
     rank's `src` is registered, else `fallback`."""
-    views = ch.symmetric([src], board_signature(SYM_REDUCE_SCATTER, op))
+    views = ch.symmetric([src], board_signature(SYM_REDUCE_SCATTER, op, counts=counts))
     if views is None:
         fallback(ch, src, dst, op, counts)
         return

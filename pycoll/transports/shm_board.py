@@ -190,8 +190,8 @@ class ShmBoard(Board):
                 raise ProtocolError(
                     f"{what}: rank {self.rank}: rank {p}'s board post carries {theirs[0]} bytes with signature "
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
-                    "ranks call different collectives, or the same one with different sizes, dtypes, ops or "
-                    "roots?", p)
+                    "ranks call different collectives, or the same one with different sizes, counts, dtypes, "
+                    "ops or roots?", p)
         if small:  # (the same byte count on every member, checked above)
             return views
         offsets = tuple([ctrls[m][at[m] + where] for m in order])
