@@ -126,6 +126,16 @@ class _InPart:
         self.fill = 0  # bytes waiting in the stream buffer (consume only)
 
 
+def _take_queued(queues: List[Any]) -> List[Any]:
+    """Empty a peer's stream queues; the messages their parts belonged to, each once."""
+    pending: Dict[int, Any] = {}
+    for queue in queues:
+        for part in queue:
+            pending[id(part.payload)] = part.payload
+        queue.clear()
+    return list(pending.values())
+
+
 class BulkLinks:
     """Raw streams per peer: connect/authenticate, then nonblocking writes and reads, FIFO per stream."""
 
@@ -393,12 +403,7 @@ class BulkLinks:
         """The peer's streams are unusable: fail everything queued on them, both ways (io lock held)."""
         self._broke(peer, why)
         err = PeerError(f"rank {self.rank}: rank {peer} {why}", peer)
-        pending: Dict[int, Incoming] = {}
-        for queue in self._in[peer]:
-            for part in queue:
-                pending[id(part.payload)] = part.payload
-            queue.clear()
-        for item in pending.values():
+        for item in _take_queued(self._in[peer]):
             item._finish(err)
         self._fail_out(peer, err)
 
@@ -422,12 +427,8 @@ class BulkLinks:
 
     def _fail_out(self, peer: int, err: PeerError) -> None:
         with self._out_locks[peer]:
-            pending: Dict[int, Outgoing] = {}
-            for queue in self._out[peer]:
-                for part in queue:
-                    pending[id(part.payload)] = part.payload
-                queue.clear()
-        for item in pending.values():
+            pending = _take_queued(self._out[peer])
+        for item in pending:
             item._finish(err)
 
     # -- teardown --------------------------------------------------------------------------------
