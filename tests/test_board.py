@@ -176,16 +176,18 @@ def test_a_rank_killed_during_board_calls_is_named_within_5s(algo, count):
         assert peer == 1 and took < 5.0 and "rank 1 died" in msg and "allreduce (call" in msg, value
 
 
-def _absent(comm):
+def _absent(comm, registered: bool = False):
+    """Rank 2 skips an allreduce (one-shot, or on a registered buffer): the others time out naming it."""
     import pycoll
-    comm.allreduce(np.ones(2), algo="oneshot")
+    x, algo = (comm.empty(100_000, np.float32), None) if registered else (np.ones(2), "oneshot")
+    comm.allreduce(x, algo=algo)
     if comm.rank == 2:  # alive, but it leaves only once both others are done waiting on it
         for caller in (0, 1):
             comm.recv(np.empty(1), caller, tag=5, timeout=60)
         return None
     t0 = time.monotonic()
     try:
-        comm.allreduce(np.ones(2), algo="oneshot", timeout=1.0)
+        comm.allreduce(x, algo=algo, timeout=1.0)
     except pycoll.TimeoutError as e:
         comm.send(np.ones(1), 2, tag=5)
         return e.peers, str(e), time.monotonic() - t0

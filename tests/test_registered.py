@@ -13,6 +13,7 @@ import pytest
 
 from collective_cases import COMBOS, dtype_of, make_input, reduce_ref
 from multiproc import run_ranks
+from test_board import _absent
 
 pytestmark = pytest.mark.timeout(180)
 SHM = {"PYCOLL_TRANSPORT": "shm"}
@@ -233,25 +234,8 @@ def test_a_rank_killed_during_registered_calls_is_named_and_nothing_is_left_in_d
     assert not left, f"left in /dev/shm after the job: {left}"
 
 
-def _absent(comm):
-    import pycoll
-    x = comm.empty(100_000, np.float32)
-    comm.allreduce(x)
-    if comm.rank == 2:  # alive, but it leaves only once both others are done waiting on it
-        for caller in (0, 1):
-            comm.recv(np.empty(1), caller, tag=5, timeout=60)
-        return None
-    t0 = time.monotonic()
-    try:
-        comm.allreduce(x, timeout=1.0)
-    except pycoll.TimeoutError as e:
-        comm.send(np.ones(1), 2, tag=5)
-        return e.peers, str(e), time.monotonic() - t0
-    return None, "no error", 0.0
-
-
 def test_a_rank_that_never_calls_is_named_in_the_timeout():
-    for rank, got in enumerate(run_ranks(_absent, 3, env=SHM)):
+    for rank, got in enumerate(run_ranks(_absent, 3, True, env=SHM)):
         if rank == 2:
             continue
         peers, msg, took = got

@@ -126,6 +126,15 @@ class _InPart:
         self.fill = 0  # bytes waiting in the stream buffer (consume only)
 
 
+def _part_done(queue: Deque[Any]) -> None:
+    """The part at the head of a stream's queue is through: its message is done with its last part."""
+    payload = queue.popleft().payload
+    if payload.left > 0:
+        payload.left -= 1
+        if payload.left == 0:
+            payload._finish(None)
+
+
 def _take_queued(queues: List[Any]) -> List[Any]:
     """Empty a peer's stream queues; the messages their parts belonged to, each once."""
     pending: Dict[int, Any] = {}
@@ -320,12 +329,7 @@ class BulkLinks:
                 return
             part.sent += n
             if part.sent == part.view.nbytes:
-                queue.popleft()
-                payload = part.payload
-                if payload.left > 0:
-                    payload.left -= 1
-                    if payload.left == 0:
-                        payload._finish(None)
+                _part_done(queue)
 
     # -- receiving -------------------------------------------------------------------------------
     def expect(self, peer: int, item: Incoming, layout: Layout = ONE_STREAM) -> None:
@@ -368,12 +372,7 @@ class BulkLinks:
                 self.fail(peer, "its bulk stream closed in the middle of a message")
                 return
             if part.got == part.nbytes:
-                queue.popleft()
-                payload = part.payload
-                if payload.left > 0:
-                    payload.left -= 1
-                    if payload.left == 0:
-                        payload._finish(None)
+                _part_done(queue)
 
     def _read_into(self, peer: int, stream: int, sock: socket.socket, part: _InPart) -> int:
         """One recv for `part`; a consumed payload is handed over in aligned pieces as they fill."""
