@@ -262,3 +262,45 @@ def test_cma_reduce_scatter_with_other_counts_of_the_same_total_raises_on_every_
     for rank, (msg, untouched) in enumerate(run_ranks(_counts_mismatch, 3, env=SHM)):
         assert "board post carries" in msg and "counts" in msg, (rank, msg)
         assert untouched, f"rank {rank}: its output changed before the mismatch was found"
+
+
+def _late_rank(comm):
+    """Rank 2 enters a cma allreduce after the others gave up on it (timeout). Their arrays' addresses
+    were posted, and rank 2 still writes its share into them: the arrays must stay alive, so those
+    writes land there and not in memory the process has freed (and perhaps reused)."""
+    import gc
+    import weakref
+    import pycoll
+    n = 1 << 18
+    x = np.full(n, comm.rank + 1, np.float32)
+    if comm.rank == 2:
+        for peer in (0, 1):
+            comm.recv(np.empty(1), peer, tag=7, timeout=60)  # both have timed out
+        try:
+            comm.allreduce(x, algo="cma", timeout=3)  # it writes share 2, then waits on their done posts
+        except pycoll.TimeoutError:
+            pass
+        for peer in (0, 1):
+            comm.send(np.ones(1), peer, tag=8)
+        return None
+    try:
+        comm.allreduce(x, algo="cma", timeout=0.5)
+        return "no error"
+    except pycoll.TimeoutError:
+        pass
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    comm.send(np.ones(1), 2, tag=7)
+    comm.recv(np.empty(1), 2, tag=8, timeout=60)
+    held = alive()
+    if held is None:
+        return "freed"
+    lo = -(-n * 2 // 3)  # share 2 of 3 (chunk_bounds: the first shares take the remainder)
+    return bool(np.all(held[lo:] == 6)), bool(np.all(held[:lo] == comm.rank + 1))
+
+
+def test_a_rank_that_gave_up_keeps_the_arrays_a_late_peer_still_writes():
+    for rank, got in enumerate(run_ranks(_late_rank, 3, env=SHM, timeout=120)):
+        if rank != 2:
+            assert got == (True, True), (rank, got)

@@ -26,7 +26,8 @@ peer's buffer.
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +42,7 @@ BLOCK_BYTES = 1 << 20  # a scratch block and the block it is reduced into stay i
 _ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER, _BROADCAST = range(4)  # in the posts' signatures, beside the count
 _NOTHING = np.empty(0, np.uint8)
 _scratch = threading.local()  # each thread's scratch block (a worker thread may run another call)
+_HELD: List[np.ndarray] = []  # the arrays of calls that failed once their addresses were posted (_exposed)
 
 
 def _block(nbytes: int) -> np.ndarray:
@@ -55,6 +57,19 @@ def _signature(kind: int, collective: int, count: int, op: Optional[ReduceOp] = 
     """A post's signature: kind, op and root (bits 0-19), the collective (20-21) and the call's element
     count mod 2**25 (22-46), so that ranks in different calls raise ProtocolError at the first post."""
     return board_signature(kind, op, root) | collective << 20 | (count & ((1 << 25) - 1)) << 22
+
+
+@contextmanager
+def _exposed(*arrays: np.ndarray) -> Iterator[None]:
+    """While `arrays`' addresses are posted: if the call fails (a timeout, a dead peer), keep them alive
+    for good. A late peer may still read and write them after this rank has given up on the call, and
+    that must land in these arrays (whose contents are then undefined), never in memory the process
+    has freed and handed to other objects."""
+    try:
+        yield
+    except BaseException:
+        _HELD.extend(arrays)
+        raise
 
 
 def _where(ch: Channel, sig: int, *arrays: np.ndarray) -> Optional[List[List[int]]]:
@@ -100,10 +115,16 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
     peers' own arrays; two-shot where any rank cannot reach the others' memory."""
     flat = buf.reshape(-1)
     source = flat if src is None else src.reshape(-1)
-    where = _where(ch, _signature(CMA_WHERE, _ALLREDUCE, flat.size, op), source, flat)
+    with _exposed(source, flat):
+        where = _where(ch, _signature(CMA_WHERE, _ALLREDUCE, flat.size, op), source, flat)
+        if where is not None:
+            _allreduce(ch, flat, source, op, where)
     if where is None:
         twoshot.allreduce(ch, buf, op, src)
-        return
+
+
+def _allreduce(ch: Channel, flat: np.ndarray, source: np.ndarray, op: ReduceOp, where: List[List[int]]) -> None:
+    """Allreduce's copies, once every rank's (source, output) addresses are known."""
     fn, me, isz = ufunc(op, flat.dtype), ch.rank, flat.itemsize
     sources, dests = [w[0] for w in where], [w[1] for w in where]
     lo, hi = chunk_bounds(flat.size, ch.size)[me]
@@ -128,46 +149,51 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
     own arrays through the scratch block; halving-doubling where any rank cannot reach the others."""
     counts = [recv.size] * ch.size if counts is None else list(counts)
     shape = counts_digest(counts)  # in place of the count: ranks that split the total differently raise
-    where = _where(ch, _signature(CMA_WHERE, _REDUCE_SCATTER, shape, op), send)
+    with _exposed(send):
+        where = _where(ch, _signature(CMA_WHERE, _REDUCE_SCATTER, shape, op), send)
+        if where is not None:
+            fn, me, isz = ufunc(op, send.dtype), ch.rank, send.itemsize
+            sources = [w[0] for w in where]
+            lo = displacements(counts)[me]
+            step = max(1, BLOCK_BYTES // isz)
+            scratch = _block(step * isz).view(send.dtype)
+            for a in range(0, counts[me], step):
+                b = min(counts[me], a + step)
+                _reduce_block(ch, fn, send[lo + a:lo + b], recv[a:b], sources, (lo + a) * isz, scratch[:b - a])
+            _done(ch, _signature(CMA_DONE, _REDUCE_SCATTER, shape, op))
     if where is None:
         halving_doubling.reduce_scatter(ch, send, recv, op, counts)
-        return
-    fn, me, isz = ufunc(op, send.dtype), ch.rank, send.itemsize
-    sources = [w[0] for w in where]
-    lo = displacements(counts)[me]
-    step = max(1, BLOCK_BYTES // isz)
-    scratch = _block(step * isz).view(send.dtype)
-    for a in range(0, counts[me], step):
-        b = min(counts[me], a + step)
-        _reduce_block(ch, fn, send[lo + a:lo + b], recv[a:b], sources, (lo + a) * isz, scratch[:b - a])
-    _done(ch, _signature(CMA_DONE, _REDUCE_SCATTER, shape, op))
 
 
 def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None) -> None:
     """recv = every rank's `send` in rank order, each copied straight out of its owner's array;
     recursive doubling for allgatherv (counts given) or where any rank cannot reach the others."""
-    where = _where(ch, _signature(CMA_WHERE, _ALLGATHER, send.size), send) if counts is None else None
+    where = None
+    if counts is None:
+        with _exposed(send):
+            where = _where(ch, _signature(CMA_WHERE, _ALLGATHER, send.size), send)
+            if where is not None:
+                n = send.size
+                for p in range(ch.size):
+                    block = recv[p * n:(p + 1) * n]
+                    if p == ch.rank:
+                        np.copyto(block, send)
+                    elif n:
+                        ch.peer_read(p, where[p][0], block)
+                _done(ch, _signature(CMA_DONE, _ALLGATHER, n))
     if where is None:
         recursive_doubling.allgather(ch, send, recv, counts)
-        return
-    n = send.size
-    for p in range(ch.size):
-        block = recv[p * n:(p + 1) * n]
-        if p == ch.rank:
-            np.copyto(block, send)
-        elif n:
-            ch.peer_read(p, where[p][0], block)
-    _done(ch, _signature(CMA_DONE, _ALLGATHER, n))
 
 
 def broadcast(ch: Channel, buf: np.ndarray, root: int) -> None:
     """Every rank copies `root`'s buffer straight out of its array; a binomial tree where any rank
     cannot reach the others."""
     flat = buf.reshape(-1)
-    where = _where(ch, _signature(CMA_WHERE, _BROADCAST, flat.size, root=root), flat)
+    with _exposed(flat):
+        where = _where(ch, _signature(CMA_WHERE, _BROADCAST, flat.size, root=root), flat)
+        if where is not None:
+            if ch.rank != root and flat.size:
+                ch.peer_read(root, where[root][0], flat)
+            _done(ch, _signature(CMA_DONE, _BROADCAST, flat.size, root=root))
     if where is None:
         tree.broadcast(ch, buf, root)
-        return
-    if ch.rank != root and flat.size:
-        ch.peer_read(root, where[root][0], flat)
-    _done(ch, _signature(CMA_DONE, _BROADCAST, flat.size, root=root))
