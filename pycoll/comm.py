@@ -420,6 +420,28 @@ class Communicator:
         dst = self._output(result, "allgatherv", src.dtype, sum(counts_l))
         return self._gather_all("allgatherv", src, dst, counts_l, result, async_op, timeout, algo)
 
+    def allgather_ragged(self, x: Any, *, async_op: bool = False, timeout: Optional[float] = None
+                         ) -> Any:
+        """Every rank's `x` (of any length; one dtype on every rank) concatenated in rank order, and
+        each rank's element count: (flat array, counts). For blocks whose sizes only their owners
+        know (sparse gradients): one call that gathers the counts, then the data (MPI_Allgather of
+        the counts, then MPI_Allgatherv)."""
+        src = self._input(x, "allgather_ragged", writable=False)
+        sizes_id = derived_id(self.comm_id, "allgather_ragged counts")
+
+        def body(ch: Channel) -> Any:
+            counts = np.empty(ch.size, np.int64)
+            mine = np.array([src.size], np.int64)
+            # the counts on a side channel of this call (its own messages; no board), then the data on
+            # the call's own channel, by the algorithm its total calls for (the same total on every rank)
+            self.selector.function("allgather", counts.nbytes, self.topology, None)(
+                ch.derive(comm_id=sizes_id), mine, counts, None)
+            counts_l = [int(c) for c in counts]
+            out = np.empty(sum(counts_l), src.dtype)
+            self.selector.function("allgather", out.nbytes, self.topology, None)(ch, flat(src), out, counts_l)
+            return out, counts_l
+        return self._run("allgather_ragged", body, async_op, timeout, (src.dtype, None, None, None))
+
     def _gather_all(self, call: str, src: np.ndarray, dst: np.ndarray, counts: Optional[List[int]],
                     result: Any, async_op: bool, timeout: Optional[float], algo: Optional[str]) -> Any:
         fn = self._algorithm("allgather", dst.nbytes, algo)

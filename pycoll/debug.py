@@ -22,7 +22,7 @@ from .ids import derived_id
 from .ops import BFLOAT16_CODE, DTYPE_CODES, ReduceOp, dtype_code
 
 COLLECTIVES = ("allreduce", "reduce", "reduce_scatter", "broadcast", "allgather", "allgatherv",
-               "alltoall", "alltoallv", "gather", "scatter", "barrier")
+               "alltoall", "alltoallv", "gather", "scatter", "barrier", "allgather_ragged")
 FIELDS = ("collective", "dtype", "count", "per-rank counts", "op", "root")
 _OPS = tuple(ReduceOp)
 _UNSET = -1  # a field the collective does not have (no op, no root, ...)

@@ -304,6 +304,40 @@ def test_sparse_allreduce_matches_gloo(size):
         assert "sparse allreduce takes" in refused and "op MAX" in refused, refused
 
 
+def _sparse_async(rank, size, path):
+    """async_op=True on a sparse tensor queues the call like any other: the Work returns before a late
+    peer has entered it, completes when it has, in call order with a dense call queued behind it."""
+    import time
+    dist, pg = _join(rank, size, path)
+    idx = torch.tensor([[rank % 5, 4], [0, rank % 3]])
+    sparse = torch.sparse_coo_tensor(idx, torch.tensor([1.0 + rank, 10.0]), (5, 3))
+    dense = torch.full((6,), float(rank + 1))
+    dist.barrier(group=pg)
+    if rank == 1:
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    first = dist.all_reduce(sparse, group=pg, async_op=True)
+    second = dist.all_reduce(dense, group=pg, async_op=True)
+    returned, done_at_once = time.monotonic() - t0, first.is_completed()
+    ok = first.wait() and second.wait()
+    want = torch.zeros(5, 3)
+    for r in range(size):
+        want[r % 5, 0] += 1.0 + r
+        want[4, r % 3] += 10.0
+    return (returned, done_at_once, ok, torch.equal(sparse.to_dense(), want) and sparse.is_coalesced(),
+            torch.equal(dense, torch.full((6,), float(sum(range(1, size + 1))))))
+
+
+@pytest.mark.timeout(90)
+def test_async_sparse_allreduce_is_queued_and_completes_with_its_call():
+    with tempfile.TemporaryDirectory() as d:
+        got = run_ranks(_sparse_async, 2, 2, os.path.join(d, "store"), init=False, timeout=80)
+    returned, done_at_once, ok, sparse_right, dense_right = got[0]  # rank 0 calls before its late peer
+    assert returned < 0.5 and not done_at_once, got[0]
+    for r in got:
+        assert r[2:] == (True, True, True), r
+
+
 def _mismatch(rank, size, path):
     import datetime
     dist, _ = _join(rank, size, path)

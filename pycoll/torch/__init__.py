@@ -100,6 +100,31 @@ def _as_torch_error(e: BaseException) -> BaseException:
     return e
 
 
+def _sparse_bytes(t: torch.Tensor) -> np.ndarray:
+    """Coalesced sparse `t`'s indices (nnz x sparse_dim int64, row-major), then its values, as bytes."""
+    idx = t.indices().t().contiguous().numpy()
+    vals = t.values().contiguous()
+    raw = vals.view(torch.uint8) if vals.numel() else torch.empty(0, dtype=torch.uint8)
+    return np.concatenate([idx.reshape(-1).view(np.uint8), raw.reshape(-1).numpy()])
+
+
+def _sparse_sum(t: torch.Tensor, gathered: np.ndarray, counts: List[int]) -> torch.Tensor:
+    """The coalesced sum of every rank's packed (indices, values) of a tensor shaped like `t`: each
+    rank's byte count says its nonzeros (every entry is sparse_dim indices plus one value row)."""
+    dense = t.shape[t.sparse_dim():]  # each value row's shape
+    entry = 8 * t.sparse_dim() + math.prod(dense) * t.element_size()
+    idx_parts, val_parts, at = [], [], 0
+    for nbytes in counts:
+        nnz = nbytes // entry
+        idx_parts.append(gathered[at:at + nnz * 8 * t.sparse_dim()])
+        val_parts.append(gathered[at + nnz * 8 * t.sparse_dim():at + nbytes])
+        at += nbytes
+    nnz_all = sum(c // entry for c in counts)
+    idx = torch.from_numpy(np.concatenate(idx_parts).view(np.int64).copy()).view(nnz_all, t.sparse_dim())
+    vals = torch.from_numpy(np.concatenate(val_parts).copy()).view(t.dtype).view(nnz_all, *dense)
+    return torch.sparse_coo_tensor(idx.t(), vals, t.shape).coalesce()
+
+
 class PycollWork(dist.Work):
     """A torch Work over one or more pycoll Works (queued in order on one communicator): done when
     the last is, then `post` (copies into torch's output tensors) runs once; errors re-raise in
@@ -276,7 +301,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             return self._blocking(tensors, op, factor)  # once, so run here: no hand-off to the worker thread
         for t in tensors:
             if t.layout is _SPARSE:
-                return self._sparse_allreduce(tensors, op)
+                return self._sparse_allreduce(tensors, op, async_op=True)
         works, posts = [], []
         for t in tensors:
             buf, back = self._contig(t)
@@ -293,7 +318,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         (_dense: one torch call); only the others are asked whether they are sparse or strided."""
         views = [_dense(t) for t in tensors]
         if any(v is None and t.layout is _SPARSE for t, v in zip(tensors, views)):
-            return self._sparse_allreduce(tensors, op)
+            return self._sparse_allreduce(tensors, op, async_op=False)
         try:
             for t, view in zip(tensors, views):
                 if view is None:
@@ -308,36 +333,26 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             return PycollWork([], tensors, None, e)
         return None
 
-    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp) -> PycollWork:
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp, async_op: bool) -> PycollWork:
         """SUM of sparse COO tensors, as gloo does it: every rank gathers all ranks' (indices, values)
-        and sums them; each tensor becomes the coalesced sum in place. A finished Work (three calls
-        per tensor, the later sized by the first)."""
-        error = None
+        and sums them; each tensor becomes the coalesced sum in place. One allgather_ragged per tensor
+        (its indices and values packed as bytes), queued like any call: the Work completes with it."""
         try:
             if op != ReduceOp.SUM or any(t.layout != torch.sparse_coo for t in tensors):
                 raise ValueError(f"pycoll backend, rank {self.comm.rank}: sparse allreduce takes sparse COO "
                                  f"tensors only and op SUM only (got op {op.name} on layouts "
                                  f"{[str(t.layout) for t in tensors]})")
-            for t in tensors:
-                t.copy_(self._sparse_sum(t.coalesce()))
+            works = [self.comm.allgather_ragged(_sparse_bytes(t.coalesce()), async_op=True) for t in tensors]
         except BaseException as e:  # wait() re-raises it, as for an async call
-            error = e
-        return PycollWork([], tensors, None, error)
+            return PycollWork([], tensors, None, e)
 
-    def _sparse_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of coalesced sparse `t`: allgather each rank's nnz, then its indices
-        (nnz x sparse_dim, row-major) and values (nnz x dense numel), and coalesce their union."""
-        comm = self.comm
-        idx = t.indices().t().contiguous()
-        vals = t.values().contiguous()
-        row = math.prod(vals.shape[1:])
-        nnz = comm.allgather(torch.tensor([t._nnz()], dtype=torch.int64)).reshape(-1).tolist()
-        all_idx = torch.empty(sum(nnz) * t.sparse_dim(), dtype=torch.int64)
-        all_vals = torch.empty(sum(nnz) * row, dtype=vals.dtype)
-        comm.allgatherv(idx.reshape(-1), [n * t.sparse_dim() for n in nnz], out=all_idx)
-        comm.allgatherv(vals.reshape(-1), [n * row for n in nnz], out=all_vals)
-        return torch.sparse_coo_tensor(all_idx.view(-1, t.sparse_dim()).t(),
-                                       all_vals.view(sum(nnz), *vals.shape[1:]), t.shape).coalesce()
+        def post() -> None:
+            for t, w in zip(tensors, works):
+                t.copy_(_sparse_sum(t, *w.result()))
+        work = PycollWork(works, tensors, post)
+        if not async_op:
+            work.wait()
+        return work
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         return self.allreduce(tensors, opts)
