@@ -94,8 +94,11 @@ HOW = """## How this was measured
 - **Same buffers**: each rank makes `x = np.ones(size / 4, np.float32)` as a user would (from 1 MiB up
   numpy places it 16 bytes into a page: the `offset` column of the raw tables), checks the first
   in-place SUM (every element = N), then fills it with zeros so repeated sums stay finite.
-- **Interleaved**: ranks wait on a blocking socket read from the driver between turns (the waiting
-  jobs' CPU during timed turns is measured from /proc and listed below: near 0). Each round visits
+- **Interleaved**: ranks wait on a blocking socket read from the driver between turns, and during a
+  job's turn the other jobs' ranks are stopped (SIGSTOP, then SIGCONT): an idle Gloo rank wakes about
+  100 times a second (2-4 ms of CPU a second), and those wake-ups landed in the other libraries'
+  timings. The waiting jobs' CPU during timed turns (their mpirun included) is measured from /proc
+  and listed below: near 0. Each round visits
   every size, and at each size each job in turn (the order rotating); a turn is one untimed call, the
   library's barrier, then a timed loop of about 0.1 s (iterations calibrated per job and size from
   its first calls, at least 2). A job's time at a size is the median over rounds of the slowest

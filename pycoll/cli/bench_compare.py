@@ -3,8 +3,10 @@ their own, launched and bound alike, timed in interleaved rounds.
 
 Every library runs as its own `mpirun --oversubscribe --bind-to BIND -np N` job of bench_worker.py
 (Gloo through torch.distributed with its own TCP store; mpi-tcp is Open MPI with `--mca btl tcp,self`).
-Ranks wait on the driver's socket between turns, so one job's timing shares the cores only with the
-machine's other load. Each round visits every size, and at each size every library in turn (the
+Ranks wait on the driver's socket between turns, and during one job's turn every other job's ranks
+are stopped (SIGSTOP, SIGCONT after it): an idle Gloo rank still wakes about 100 times a second, and
+those wake-ups would land in another library's timing. So a job's timing shares the cores only with
+the machine's other load. Each round visits every size, and at each size every library in turn (the
 order rotating); per library and size the figure is the median over rounds of the slowest rank's
 mean call, its spread the min-max over rounds, and CPU per call the ranks' mean user+sys seconds.
 """
@@ -14,14 +16,16 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
@@ -151,6 +155,21 @@ def cpu_of(pids: List[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+@contextmanager
+def stopped(pids: List[int]) -> Iterator[None]:
+    """The processes `pids` (other jobs' ranks, idle between their turns) stopped while the block runs."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def measure(jobs: List[Job], sizes: List[int], rounds: int, round_seconds: float, warmup: int,
             log: Any = None) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, float]]:
     """Calibrate iterations per (library, size) to about round_seconds a turn, then the rounds. Also
@@ -175,7 +194,8 @@ def measure(jobs: List[Job], sizes: List[int], rounds: int, round_seconds: float
                 limit = max(120.0, 50 * (count + warmup) * est[job.name, nbytes])
                 others = [pid for j in jobs if j is not job for pid in j.pids + [j.proc.pid]]
                 cpu0, t0 = cpu_of(others), time.monotonic()
-                got = summarize(command(job, nbytes, warmup, count, limit), count)
+                with stopped([pid for j in jobs if j is not job for pid in j.pids]):
+                    got = summarize(command(job, nbytes, warmup, count, limit), count)
                 idle["waiting_cpu_s"] += cpu_of(others) - cpu0
                 idle["turns_s"] += time.monotonic() - t0
                 out[nbytes][job.name]["rounds"].append(got)
