@@ -78,6 +78,34 @@ def test_fsdp2_matches_gloo(size):
         assert torch.equal(ours, theirs)
 
 
+def _sparse_ddp(rank, size, port, backend, steps):
+    """DDP over a sparse embedding (its gradients are sparse COO: DDP allreduces them asynchronously
+    during backward) and a dense head; returns the parameters after `steps` SGD steps."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist = _world(rank, size, port, backend)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.EmbeddingBag(50, 8, mode="sum", sparse=True), nn.Linear(8, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        ids = torch.randint(0, 50, (16, 4), generator=g)  # each rank touches other rows
+        y = torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids), y).backward()
+        opt.step()
+    _KEEP.append((model, dist.group.WORLD))
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def test_ddp_with_sparse_gradients_matches_gloo():
+    runs = {b: run_ranks(_sparse_ddp, 2, 2, free_port(), b, 5, init=False, timeout=200) for b in ("pycoll", "gloo")}
+    for b, replicas in runs.items():
+        assert (replicas[0] == replicas[1]).all(), f"{b}: the replicas differ"
+    ours, theirs = (torch.from_numpy(runs[b][0]) for b in ("pycoll", "gloo"))
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max().item()
+
+
 def _dtensor(rank, size, port, backend):
     """DTensor sharding, redistribution and a sharded matmul, plus functional collectives, on `backend`."""
     import torch.distributed._functional_collectives as funcol
