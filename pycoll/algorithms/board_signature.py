@@ -22,7 +22,8 @@ def board_signature(kind: int, op: Optional[ReduceOp] = None, root: int = -1,
                     counts: Optional[Sequence[int]] = None) -> int:
     """The signature of a post of `kind` for reduction `op` and `root` (bits 0-3, 4-7 and 8 up); a call
     with per-rank `counts` and no root carries their digest where the root goes."""
-    return kind | (_OPS[op] if op is not None else 0) << 4 | (root + 1 if counts is None else counts_digest(counts)) << 8
+    where = root + 1 if counts is None else counts_digest(counts)
+    return kind | (_OPS[op] if op is not None else 0) << 4 | where << 8
 
 
 def counts_digest(counts: Sequence[int]) -> int:

@@ -301,7 +301,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             return self._blocking(tensors, op, factor)  # once, so run here: no hand-off to the worker thread
         for t in tensors:
             if t.layout is _SPARSE:
-                return self._sparse_allreduce(tensors, op, async_op=True)
+                return self._sparse_allreduce(tensors, op)
         works, posts = [], []
         for t in tensors:
             buf, back = self._contig(t)
@@ -318,7 +318,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         (_dense: one torch call); only the others are asked whether they are sparse or strided."""
         views = [_dense(t) for t in tensors]
         if any(v is None and t.layout is _SPARSE for t, v in zip(tensors, views)):
-            return self._sparse_allreduce(tensors, op, async_op=False)
+            return self._sparse_allreduce(tensors, op)  # torch's wrapper waits on it
         try:
             for t, view in zip(tensors, views):
                 if view is None:
@@ -333,7 +333,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             return PycollWork([], tensors, None, e)
         return None
 
-    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp, async_op: bool) -> PycollWork:
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: ReduceOp) -> PycollWork:
         """SUM of sparse COO tensors, as gloo does it: every rank gathers all ranks' (indices, values)
         and sums them; each tensor becomes the coalesced sum in place. One allgather_ragged per tensor
         (its indices and values packed as bytes), queued like any call: the Work completes with it."""
@@ -349,10 +349,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         def post() -> None:
             for t, w in zip(tensors, works):
                 t.copy_(_sparse_sum(t, *w.result()))
-        work = PycollWork(works, tensors, post)
-        if not async_op:
-            work.wait()
-        return work
+        return PycollWork(works, tensors, post)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
         return self.allreduce(tensors, opts)
