@@ -322,7 +322,8 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
 
 
 def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
-                     transport: str, board_bytes: int = 0, stage_bytes: int = 0) -> Optional[Tuner]:
+                     transport: str, board_bytes: int = 0, stage_bytes: int = 0,
+                     peer_memory: bool = True) -> Optional[Tuner]:
     """A communicator's tuner (Communicator.calibrate, at init for the world): None (static rules)
     under PYCOLL_TUNER=static; else the model, probed unless PYCOLL_TUNER=model or PYCOLL_ALGO is set."""
     how = mode()
@@ -337,7 +338,8 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
                         (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
                         params.net.describe(), params.flow_link().describe(), params.nsocks, params.spill,
                         params.cache / (1 << 20))
-    return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes)
+    return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes,
+                 peer_memory)
 
 
 def settle_streams(striping: Optional[Striping], params: Params) -> Params:

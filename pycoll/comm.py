@@ -21,7 +21,7 @@ from .selection import Selector, resolve
 from .topology import Topology
 from .trace import recorder
 from .transports.base import ANY, MsgKey, Transport
-from .transports.capabilities import Board, SharedBoard, SharedMemory
+from .transports.capabilities import Board, PeerMemory, SharedBoard, SharedMemory
 from .windows import Registry
 from .work import Work, Worker
 
@@ -81,15 +81,19 @@ class Communicator:
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, name: str,
                  membership: Membership, timeout: float, store: Optional[Store] = None,
                  owns_transport: bool = False, selector: Optional[Selector] = None,
-                 topology: Optional[Topology] = None, lanes: Optional[Dict[int, int]] = None) -> None:
-        """`lanes`: the members' board lanes, already agreed (shrink), instead of exchanging them."""
+                 topology: Optional[Topology] = None, lanes: Optional[Dict[int, int]] = None,
+                 peer_memory: bool = False) -> None:
+        """`lanes`: the members' board lanes, already agreed (shrink), instead of exchanging them, and
+        with them `peer_memory`, whether the members reach each other's memory."""
         self.transport, self.group, self.name = transport, list(group), name
         self._rank, self.timeout, self.store = rank, timeout, store
         self.comm_id = comm_hash(name)
         self.membership = membership
         self.topology = topology or (Topology(membership.ranks) if membership.ranks
                                      else Topology.from_hosts(membership.hosts))
-        self.board = self._open_board(lanes)
+        # the board, and whether every member can copy from and to every other's memory (cma): both
+        # agreed by all members when they exchange their lanes
+        self.board, self.peer_memory = self._open_board(lanes, peer_memory)
         memory = self.transport.offers(SharedMemory)
         self.windows = Registry(memory, self.group, rank, name) if self.board is not None and memory is not None \
             and memory.reaches(self.group) else None  # registered buffers (empty()), where every rank maps them
@@ -145,7 +149,7 @@ class Communicator:
         it. Collective: every rank calls it, between calls (pycoll.init() does, for the world)."""
         board, stage = self._board_capacity()
         fitted = calibration.for_communicator(self._tuner_channel, self.rank, self.topology,
-                                              self.transport.name, board, stage)
+                                              self.transport.name, board, stage, self.peer_memory)
         self.selector = Selector(self.selector.spec, fitted, board)
 
     # -- running calls ----------------------------------------------------------------------------
@@ -196,26 +200,34 @@ class Communicator:
                        comm_id=derived_id(self.comm_id, "tuner"), seq=seq, timeout=self.timeout,
                        what=f"tuner calibration (step {seq} on {self.name}, rank {self.rank})")
 
-    def _open_board(self, lanes: Optional[Dict[int, int]] = None) -> Optional[Board]:
+    def _open_board(self, lanes: Optional[Dict[int, int]] = None, peer_memory: bool = False
+                    ) -> Tuple[Optional[Board], bool]:
         """This communicator's shared-memory board, where the transport offers one reaching every
         member: each member claims a lane of its own board and all exchange their lane numbers (the
         same answer on every member: a board, or None when any member has no lane left), unless the
-        `lanes` are known already."""
+        `lanes` (and `peer_memory`) are known already. With the lanes each member says whether it
+        reaches the others' memory (PeerMemory): cma is a candidate only if all do."""
         boards = self.transport.offers(SharedBoard)
         if boards is None or not boards.reaches(self.group):
-            return None
+            return None, False
         if lanes is not None:
-            return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
+            return (boards.open(self.comm_id, self.group, lanes), peer_memory) if min(lanes.values()) >= 0 \
+                else (None, False)
         ch = Channel(transport=self.transport, group=self.group, rank=self.rank,
                      comm_id=derived_id(self.comm_id, "board"), seq=1, timeout=self.timeout,
                      what=f"board set-up of {self.name} (rank {self.rank})")
-        mine = np.array([boards.claim_lane(self.comm_id)], np.int64)
-        theirs = {m: np.empty(1, np.int64) for m in range(self.size) if m != self.rank}
+        memory = self.transport.offers(PeerMemory)
+        mine = np.array([boards.claim_lane(self.comm_id), memory is not None and memory.reaches(self.group)],
+                        np.int64)
+        theirs = {m: np.empty(2, np.int64) for m in range(self.size) if m != self.rank}
         reqs = [ch.irecv(buf, m) for m, buf in theirs.items()] + [ch.isend(mine, m) for m in theirs]
         ch.wait(*reqs)
-        lanes = {self.group[m]: int(buf[0]) for m, buf in theirs.items()}
-        lanes[self.group[self.rank]] = int(mine[0])
-        return boards.open(self.comm_id, self.group, lanes) if min(lanes.values()) >= 0 else None
+        rows = {self.group[m]: buf for m, buf in theirs.items()}
+        rows[self.group[self.rank]] = mine
+        lanes = {g: int(row[0]) for g, row in rows.items()}
+        if min(lanes.values()) < 0:
+            return None, False
+        return boards.open(self.comm_id, self.group, lanes), all(bool(row[1]) for row in rows.values())
 
     def _board_capacity(self) -> Tuple[int, int]:
         """(slot bytes, stage bytes) of this communicator's board; (0, 0) without one."""
@@ -756,8 +768,10 @@ class Communicator:
         same = [g for g in group if hosts[g] == hosts[me]]
         membership = Membership(hosts=hosts, local_rank=same.index(me), local_size=len(same))
         child = Communicator(self.transport, group, group.index(me), name, membership, self.timeout,
-                             topology=self.topology.subset(members), lanes=lanes)
-        child.selector = self.selector.for_board(*child._board_capacity())  # the parent's model, its own board
+                             topology=self.topology.subset(members), lanes=lanes,
+                             peer_memory=self.peer_memory)  # (with lanes: shrink's survivors reach as before)
+        # the parent's model, its own board
+        child.selector = self.selector.for_board(*child._board_capacity(), child.peer_memory)
         ft.inherit(self, child)
         return child
 

@@ -109,10 +109,11 @@ class Selector:
             if modeled and (not named or allowed <= set(modeled)):  # a named unmodeled one: size rule
                 self._modeled[coll] = modeled
 
-    def for_board(self, board_bytes: int, stage_bytes: int) -> "Selector":
+    def for_board(self, board_bytes: int, stage_bytes: int, peer_memory: bool = True) -> "Selector":
         """This selector (PYCOLL_ALGO and calibrated model) for a communicator with another board:
-        a slot of `board_bytes` and a stage slot of `stage_bytes` (0: none), e.g. a split child."""
-        tuner = None if self.tuner is None else Tuner(self.tuner.params, board_bytes, stage_bytes)
+        a slot of `board_bytes` and a stage slot of `stage_bytes` (0: none), e.g. a split child, whose
+        ranks can (`peer_memory`) or cannot reach each other's memory."""
+        tuner = None if self.tuner is None else Tuner(self.tuner.params, board_bytes, stage_bytes, peer_memory)
         return Selector(self.spec, tuner, board_bytes)
 
     def choose(self, collective: str, nbytes: int, size: int, algo: Optional[str] = None,

@@ -419,11 +419,13 @@ def cma_pattern(collective: str, nbytes: float, n: int, page_seconds: float, roo
 
 class Tuner:
     """Predicts the time of every modeled algorithm and picks the cheapest; `board_bytes` is what a
-    shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm), and
-    `stage_bytes` what a stage slot holds (0: no stage, so no two-shot algorithm)."""
+    shared-memory board slot holds on this transport (0: no board, so no one-shot algorithm),
+    `stage_bytes` what a stage slot holds (0: no stage, so no two-shot algorithm), and `peer_memory`
+    whether every rank can copy from and to every other's memory (else no cma)."""
 
-    def __init__(self, params: Params, board_bytes: int = 0, stage_bytes: int = 0) -> None:
+    def __init__(self, params: Params, board_bytes: int = 0, stage_bytes: int = 0, peer_memory: bool = True) -> None:
         self.params, self.board_bytes, self.stage_bytes = params, board_bytes, stage_bytes
+        self.peer_memory = peer_memory
 
     def pattern(self, collective: str, algorithm: str, nbytes: float, topo: Topology) -> List[Round]:
         """The rounds of one flat (non-hierarchical) algorithm."""
@@ -455,8 +457,8 @@ class Tuner:
             return math.inf  # no board: it would run the message-based fallback
         if algorithm == "twoshot" and (topo.nhosts > 1 or not self.stage_bytes):
             return math.inf
-        if algorithm == "cma" and (topo.nhosts > 1 or not self.board_bytes):
-            return math.inf  # no board to post where the buffers are: it would run its fallback
+        if algorithm == "cma" and (topo.nhosts > 1 or not self.board_bytes or not self.peer_memory):
+            return math.inf  # no board to post where the buffers are, or a kernel that refuses: its fallback
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         params = self._priced(nbytes, topo)

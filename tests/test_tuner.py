@@ -141,6 +141,9 @@ def test_cma_on_one_host_with_a_board_counted_as_single_copies_and_pages():
     assert math.isclose(t.predict("allreduce", "cma", 16 * MIB, one_host), want)
     assert t.predict("allreduce", "cma", 16 * MIB, two_hosts) == math.inf
     assert Tuner(params, 0, 0).predict("allreduce", "cma", 16 * MIB, one_host) == math.inf
+    # ranks that cannot reach each other's memory (PYCOLL_CMA=0, the kernel refuses): never cma
+    assert Tuner(params, 16 << 10, 512 << 10, peer_memory=False).predict("allreduce", "cma", 16 * MIB,
+                                                                         one_host) == math.inf
     # with a calibration of this 2-core machine (its cache spill included): two-shot at 1 MiB, cma at 64
     measured = Tuner(Params(shm=Link(1.3e-5, 1 / 7.5e9), net=Link(1e-4, 1 / 1e9), gamma=1 / 40e9, cache=32 * MIB,
                             spill=3.2), 16 << 10, 2 * MIB)
