@@ -4,7 +4,9 @@ table's columns (time, spread, CPU per call, ratios, the tuner's algorithm) and 
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -153,6 +155,68 @@ def test_compare_names_a_job_that_fails_and_ends_the_others():
     assert proc.returncode == 1
     assert "pycoll-bogus job exited before all 2 ranks connected" in proc.stderr
     assert "PYCOLL_TRANSPORT='bogus' is not a transport" in proc.stderr
+
+
+def _descendants(pid):
+    """The pids of `pid`'s children and their children (the jobs' mpirun and their ranks)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children = {}
+    for line in out.splitlines():
+        child, parent = (int(v) for v in line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _still_running(pids, seconds):
+    """Those of `pids` that have not exited within `seconds` (waited on with pidfds: an exit, reaped
+    or not, makes its pidfd readable)."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + seconds
+    try:
+        while fds and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(fds), [], [], deadline - time.monotonic())
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return list(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+def test_compare_ended_by_sigterm_leaves_no_job_behind():
+    """SIGTERM to the driver in the middle of the rounds, while other jobs' ranks are stopped for a
+    turn: it exits 143 and every job it launched ends (none left stopped, holding its ports)."""
+    pytest.importorskip("mpi4py")
+    cmd = [sys.executable, "-m", "pycoll", "bench", "allreduce", "--np", "2", "--transport", "shm", "--compare",
+           "mpi", "--sizes", "8,64K", "--rounds", "500", "--round-seconds", "0.05"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    for line in proc.stdout:
+        if "round 1/" in line:
+            break
+    launched = _descendants(proc.pid)
+    assert len(launched) >= 6, launched  # two mpiruns, their ranks
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(60)
+    left = _still_running(launched, 30)
+    for p in left:  # do not leave them to the next test either
+        os.kill(p, signal.SIGCONT)
+        os.kill(p, signal.SIGKILL)
+    assert code == 143 and not left, f"exit {code}; still running after the driver ended: {left}"
 
 
 COMPARE_ROW = re.compile(r"^\s+(\d+) (\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x"

@@ -155,6 +155,11 @@ def cpu_of(pids: List[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _exit_on(signum: int, _: Any) -> None:
+    """A signal that would end the driver raises SystemExit instead, so its clean-up runs."""
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def stopped(pids: List[int]) -> Iterator[None]:
     """The processes `pids` (other jobs' ranks, idle between their turns) stopped while the block runs."""
@@ -251,6 +256,9 @@ def run(n: int, sizes: List[int], transports: List[str], peers: List[str], round
     names = job_names(transports, peers)
     load = [os.getloadavg()]
     jobs: List[Job] = []
+    # SIGTERM / SIGHUP end the driver through the finally below: it continues the jobs stopped for a
+    # turn and ends them (killed outright, they would stay stopped, holding their ports, for good)
+    previous = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for name in names:
             jobs.append(launch(name, n, bind))
@@ -274,6 +282,8 @@ def run(n: int, sizes: List[int], transports: List[str], peers: List[str], round
                 job.proc.kill()
                 job.proc.wait()
             job.log.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     load.append(os.getloadavg())
     rows = rows_of(measured, names, n)
     via = ", ".join(f"{job.name}: {job.via}" for job in jobs)
