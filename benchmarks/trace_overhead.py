@@ -60,8 +60,8 @@ def _record_alone(n: int) -> float:
 
 def _ran(comm: pycoll.Communicator, x: np.ndarray) -> str:
     """The algorithm `comm` runs for an allreduce of `x` (two-shot falls back without a stage)."""
-    name = recorder._algo_name(comm._algorithm("allreduce", x.nbytes, None)) or "?"
-    if name == "twoshot" and not comm._board_capacity()[1]:
+    name = comm.selector.choose("allreduce", x.nbytes, comm.size, None, comm.topology)
+    if name == "twoshot" and not (comm.board is not None and comm.board.stage_bytes):
         name = "halving_doubling (twoshot without a stage)"
     return name
 
