@@ -101,27 +101,22 @@ def _as_torch_error(e: BaseException) -> BaseException:
 
 
 def _sparse_bytes(t: torch.Tensor) -> np.ndarray:
-    """Coalesced sparse `t`'s indices (nnz x sparse_dim int64, row-major), then its values, as bytes."""
-    idx = t.indices().t().contiguous().numpy()
+    """Coalesced sparse `t` as bytes, one row per nonzero: its sparse_dim int64 indices, then its value
+    row (so every rank's rows, gathered one after another, are rows of one table)."""
+    nnz, row = t._nnz(), math.prod(t.shape[t.sparse_dim():]) * t.element_size()
+    idx = np.ascontiguousarray(t.indices().numpy().T).view(np.uint8)  # (nnz, 8 * sparse_dim)
     vals = t.values().contiguous()
     raw = vals.view(torch.uint8) if vals.numel() else torch.empty(0, dtype=torch.uint8)
-    return np.concatenate([idx.reshape(-1).view(np.uint8), raw.reshape(-1).numpy()])
+    return np.concatenate([idx, raw.numpy().reshape(nnz, row)], axis=1).reshape(-1)
 
 
-def _sparse_sum(t: torch.Tensor, gathered: np.ndarray, counts: List[int]) -> torch.Tensor:
-    """The coalesced sum of every rank's packed (indices, values) of a tensor shaped like `t`: each
-    rank's byte count says its nonzeros (every entry is sparse_dim indices plus one value row)."""
+def _sparse_sum(t: torch.Tensor, gathered: np.ndarray) -> torch.Tensor:
+    """The coalesced sum of every rank's rows (_sparse_bytes) of a tensor shaped like `t`."""
     dense = t.shape[t.sparse_dim():]  # each value row's shape
-    entry = 8 * t.sparse_dim() + math.prod(dense) * t.element_size()
-    idx_parts, val_parts, at = [], [], 0
-    for nbytes in counts:
-        nnz = nbytes // entry
-        idx_parts.append(gathered[at:at + nnz * 8 * t.sparse_dim()])
-        val_parts.append(gathered[at + nnz * 8 * t.sparse_dim():at + nbytes])
-        at += nbytes
-    nnz_all = sum(c // entry for c in counts)
-    idx = torch.from_numpy(np.concatenate(idx_parts).view(np.int64).copy()).view(nnz_all, t.sparse_dim())
-    vals = torch.from_numpy(np.concatenate(val_parts).copy()).view(t.dtype).view(nnz_all, *dense)
+    at = 8 * t.sparse_dim()
+    rows = torch.from_numpy(gathered).view(-1, at + math.prod(dense) * t.element_size())
+    idx = rows[:, :at].contiguous().view(torch.int64)
+    vals = rows[:, at:].contiguous().view(t.dtype).view(rows.shape[0], *dense)
     return torch.sparse_coo_tensor(idx.t(), vals, t.shape).coalesce()
 
 
@@ -348,7 +343,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         def post() -> None:
             for t, w in zip(tensors, works):
-                t.copy_(_sparse_sum(t, *w.result()))
+                t.copy_(_sparse_sum(t, w.result()[0]))
         return PycollWork(works, tensors, post)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
