@@ -263,7 +263,13 @@ def _fuzz_endpoint(tr, comm_id: int, n: int, stats: Dict[str, Any], done: thread
     replay = [wire.pack_header(wire.KIND_HELLO, 0, 0, 0, 0, len(hello)), hello]
     original = ctx.socket(zmq.DEALER)  # the one genuine use of this hello; every other copy is a replay
     original.connect(tr.endpoint)
+    seen = len(tr._seen_nonces)
     original.send_multipart(replay)
+    # only once the transport has taken it: zmq keeps no order between sockets, and a stranger's copy
+    # that arrived first would be that genuine first use (its forged messages then delivered as rank 0's)
+    deadline = time.monotonic() + STALL
+    while len(tr._seen_nonces) == seen and time.monotonic() < deadline:
+        time.sleep(0.001)
     strangers = [ctx.socket(zmq.DEALER) for _ in range(4)]
     for s in strangers:
         s.connect(tr.endpoint)
