@@ -42,9 +42,11 @@ class Channel:
     __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "what", "board", "windows",
                  "_after")
 
-    def __init__(self, *, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
+    def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object, board: Optional[Board] = None,
                  windows: Optional["Registry"] = None) -> None:
+        # (positional or keyword: Communicator.channel() makes one per call and passes them by position,
+        # which costs half what keywords do)
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
         self.board = board  # the communicator's shared-memory board, where it has one

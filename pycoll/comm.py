@@ -177,10 +177,9 @@ class Communicator:
     def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
         """A Channel for the next call number: what an algorithm runs on (all ranks must call in order)."""
         seq, rank, group = next(self._seq), self._rank, self.group
-        return Channel(transport=self.transport, group=group, rank=rank, comm_id=self.comm_id,
-                       seq=seq, timeout=self.timeout if timeout is None else timeout,
-                       what=CallName(collective, seq, self.name, rank, len(group)), board=self.board,
-                       windows=self.windows)
+        return Channel(self.transport, group, rank, self.comm_id, seq,
+                       self.timeout if timeout is None else timeout,
+                       CallName(collective, seq, self.name, rank, len(group)), self.board, self.windows)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:

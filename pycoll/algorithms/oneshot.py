@@ -21,7 +21,7 @@ from .board_signature import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, REDUCE, b
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarray] = None) -> None:
     """Every rank reduces all ranks' inputs (`src`, or `buf` in place) in rank order itself into
     `buf`: bit-identical results everywhere, and out of place without a copy."""
-    inputs = ch.board_exchange(buf if src is None else src, board_signature(ALLREDUCE, op))
+    inputs = ch.board_exchange(buf if src is None else src, _ALLREDUCE_SIGNATURES[op])
     if inputs is None:
         if src is not None:
             np.copyto(buf, src)
@@ -31,6 +31,7 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
 
 
 allreduce.accepts_src = True  # type: ignore[attr-defined]
+_ALLREDUCE_SIGNATURES = {op: board_signature(ALLREDUCE, op) for op in ReduceOp}  # a lookup per small call
 
 
 def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:

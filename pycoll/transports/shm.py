@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import functools
 import mmap
 import os
 import re
@@ -513,7 +514,8 @@ class ShmTransport(Transport):
 
     def _wake_sleepers(self, peers: Sequence[_Peer]) -> None:
         """After publishing a board post: poke those of `peers` that sleep on their doorbells."""
-        _fence()
+        _FENCE.acquire()  # _fence(), inlined: this runs on every board post
+        _FENCE.release()
         for p in peers:
             if p.flags[_ASLEEP]:
                 self._poke(p)
@@ -774,4 +776,5 @@ class _Boards(SharedBoard):
         peers = {m: t._peer(m) for m in members}
         others = [p for m, p in peers.items() if m != t.rank]
         return ShmBoard(t.rank, comm_id, members, lanes, {m: p.board_ctrl for m, p in peers.items()},
-                        {m: p.board for m, p in peers.items()}, lambda: t._wake_sleepers(others), t.wait)
+                        {m: p.board for m, p in peers.items()}, functools.partial(t._wake_sleepers, others),
+                        t.wait)
