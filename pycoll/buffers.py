@@ -25,8 +25,9 @@ def _from_torch(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def as_array(obj: Any, name: str = "buffer", writable: bool = True) -> np.ndarray:
-    """A numpy view of `obj` without copying; ValueError/TypeError if it cannot be used as is."""
+def as_array(obj: Any, name: str = "buffer", writable: bool = True, role: str = "") -> np.ndarray:
+    """A numpy view of `obj` without copying; ValueError/TypeError if it cannot be used as is, naming
+    it "`name` `role`" (e.g. "allreduce" "x": the words are joined only for an error)."""
     if isinstance(obj, np.ndarray):
         arr = obj
     elif "torch" in sys.modules and isinstance(obj, sys.modules["torch"].Tensor):
@@ -39,16 +40,20 @@ def as_array(obj: Any, name: str = "buffer", writable: bool = True) -> np.ndarra
         try:
             mv = memoryview(obj)
         except TypeError:
-            raise TypeError(f"{name} of type {type(obj).__name__} has no buffer protocol, "
+            raise TypeError(f"{_label(name, role)} of type {type(obj).__name__} has no buffer protocol, "
                             "__array_interface__ or DLPack; pass a numpy array or tensor") from None
         arr = np.asarray(mv)
     if not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (got strides {arr.strides} for shape "
+        raise ValueError(f"{_label(name, role)} must be C-contiguous (got strides {arr.strides} for shape "
                          f"{arr.shape}); pass a contiguous copy, e.g. np.ascontiguousarray(x)")
     if writable and not arr.flags.writeable:
-        raise ValueError(f"{name} is read-only; pycoll writes the result into it (pass out= "
+        raise ValueError(f"{_label(name, role)} is read-only; pycoll writes the result into it (pass out= "
                          "with a writable buffer)")
     return arr
+
+
+def _label(name: str, role: str) -> str:
+    return f"{name} {role}" if role else name
 
 
 def flat(arr: np.ndarray) -> np.ndarray:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .buffers import flat
 from .errors import ProtocolError
 from .ops import ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
@@ -117,8 +116,8 @@ class Channel:
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
-        return board.exchange(flat(arr), sig << 16 | dtype_code(arr.dtype), self.group, self.timeout,
-                              self.what, stage, hole)
+        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1), sig << 16 | dtype_code(arr.dtype),
+                              self.group, self.timeout, self.what, stage, hole)  # (flat(arr), inlined)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

@@ -16,7 +16,7 @@ from .buffers import as_array, flat
 from .channel import CallName, Channel, byte_view
 from .errors import RevokedError
 from .ids import comm_hash, derived_id
-from .ops import AVG, ReduceOp, as_op, check_op, dtype_code, finish_avg
+from .ops import AVG, ReduceOp, dtype_code, finish_avg, reduction
 from .selection import Selector, resolve
 from .topology import Topology
 from .trace import recorder
@@ -302,7 +302,7 @@ class Communicator:
         return int(peer)
 
     def _input(self, x: Any, call: str, writable: bool) -> np.ndarray:
-        arr = as_array(x, f"{call} x", writable=writable)
+        arr = as_array(x, call, writable, "x")
         dtype_code(arr.dtype)
         return arr
 
@@ -320,17 +320,12 @@ class Communicator:
                              f"got {counts}")
         return counts
 
-    def _reduction(self, op: OpLike, dtype: np.dtype) -> ReduceOp:
-        op = as_op(op)
-        check_op(op, dtype)
-        return op
-
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *, async_op: bool = False,
                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Reduce `x` across all ranks; every rank gets the result in `out` (or in `x` itself)."""
         src = self._input(x, "allreduce", writable=out is None)
-        op = self._reduction(op, src.dtype)
+        op = reduction(op, src.dtype)
         dst = src if out is None else self._output(out, "allreduce", src.dtype, src.size)
         fn = self._algorithm("allreduce", src.nbytes, algo)
 
@@ -352,7 +347,7 @@ class Communicator:
         """Reduce `x` onto `root` (into `out`, or `x` in place there); other ranks' buffers stay as they were."""
         root = self._peer(root, "root", "reduce")
         src = self._input(x, "reduce", writable=out is None and self.rank == root)
-        op = self._reduction(op, src.dtype)
+        op = reduction(op, src.dtype)
         dst = src if out is None or self.rank != root else self._output(out, "reduce", src.dtype, src.size)
         fn = self._algorithm("reduce", src.nbytes, algo)
 
@@ -370,7 +365,7 @@ class Communicator:
                        timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Reduce `x` across ranks and leave block `rank` of the result here (equal blocks, or `counts`)."""
         src = self._input(x, "reduce_scatter", writable=False)
-        op = self._reduction(op, src.dtype)
+        op = reduction(op, src.dtype)
         if counts is None:
             if src.size % self.size:
                 raise ValueError(f"rank {self.rank}: reduce_scatter x has {src.size} elements, not divisible "

@@ -97,6 +97,16 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     _FITTING.add((op, dtype))
 
 
+def reduction(op: Union[ReduceOp, str], dtype: np.dtype) -> ReduceOp:
+    """`op` as the ReduceOp it names, checked against `dtype` (ValueError, TypeError): what a call
+    validates before any byte moves."""
+    if type(op) is ReduceOp and (op, dtype) in _FITTING:  # the hot path: a pair that fitted before
+        return op
+    op = as_op(op)
+    check_op(op, dtype)
+    return op
+
+
 def ufunc(op: ReduceOp, dtype: np.dtype) -> Callable:
     """The numpy ufunc that computes `op` on `dtype` (AVG sums: the caller divides at the end)."""
     if dtype.kind == "b":

@@ -149,7 +149,8 @@ class ShmBoard(Board):
         small = nbytes < PAGE_FROM
         mine_at = 0 if small else data.ctypes.data % PAGE
         if small:  # every post starts at 0: the views are known before the post, and this rank's is one
-            views = self._views((k, stage, data.dtype, data.size, self._order_key, None), slots, order, None)
+            layout = (k, stage, data.dtype, data.size, self._order_key, None)
+            views = self._typed.get(layout) or self._views(layout, slots, order, None)
         if small and h1 <= h0:
             views[self._me][...] = data  # (np.copyto's dispatch wrapper costs more on a call this small)
         else:
@@ -195,19 +196,19 @@ class ShmBoard(Board):
         if small:  # (the same byte count on every member, checked above)
             return views
         offsets = tuple([ctrls[m][at[m] + where] for m in order])
-        return self._views((k, stage, data.dtype, data.size, self._order_key, offsets), slots, order, offsets)
+        layout = (k, stage, data.dtype, data.size, self._order_key, offsets)
+        return self._typed.get(layout) or self._views(layout, slots, order, offsets)
 
     def _views(self, layout: Tuple[Any, ...], slots: Dict[int, np.ndarray], order: Sequence[int],
                offsets: Any) -> List[np.ndarray]:
         """The members' posts as typed arrays, in `order`, for one `layout` (slot, stage, dtype, size,
-        order, offsets: None where every post starts at 0), made once per layout."""
-        views = self._typed.get(layout)
-        if views is None:
-            _, _, dtype, size, _, _ = layout
-            if len(self._typed) > 1024:
-                self._typed.clear()
-            views = self._typed[layout] = [_typed_from(slots[m], off, dtype)[:size] for m, off in
-                                           zip(order, offsets or [0] * len(order))]
+        order, offsets: None where every post starts at 0), made once per layout (the callers look in
+        the cache first)."""
+        _, _, dtype, size, _, _ = layout
+        if len(self._typed) > 1024:
+            self._typed.clear()
+        views = self._typed[layout] = [_typed_from(slots[m], off, dtype)[:size] for m, off in
+                                       zip(order, offsets or [0] * len(order))]
         return views
 
 
