@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .errors import ProtocolError
-from .ops import ReduceOp, combine, dtype_code
+from .ops import DTYPE_CODES, ReduceOp, combine, dtype_code
 from .transports.base import MsgKey, Request, Transport
 from .transports.capabilities import Board, PeerMemory, SinkReceive
 
@@ -22,35 +22,35 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-class CallName:
-    """'allreduce (call 7 on world, rank 1 of 4)': what a call is called in errors, formatted only when
-    one is raised (a small collective should not pay for an f-string)."""
-
-    __slots__ = ("collective", "seq", "comm", "rank", "size")
-
-    def __init__(self, collective: str, seq: int, comm: str, rank: int, size: int) -> None:
-        self.collective, self.seq, self.comm, self.rank, self.size = collective, seq, comm, rank, size
-
-    def __str__(self) -> str:
-        return f"{self.collective} (call {self.seq} on {self.comm}, rank {self.rank} of {self.size})"
-
-
 class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
-    __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "what", "board", "windows",
-                 "_after")
+    __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "_what", "board", "windows",
+                 "_after", "_call", "_comm")
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object, board: Optional[Board] = None,
-                 windows: Optional["Registry"] = None) -> None:
+                 windows: Optional["Registry"] = None, call: str = "", comm: str = "") -> None:
         # (positional or keyword: Communicator.channel() makes one per call and passes them by position,
         # which costs half what keywords do)
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
-        self.comm_id, self.seq, self.timeout, self.what = comm_id, seq, timeout, what
+        self.comm_id, self.seq, self.timeout, self._what = comm_id, seq, timeout, what
         self.board = board  # the communicator's shared-memory board, where it has one
         self.windows = windows  # the communicator's registered buffers, where it can have them
         self._after: Optional[Dict[int, Callable[[], None]]] = None  # work to run once a request completes
+        self._call, self._comm = call, comm  # what None: the collective and communicator names the call
+
+    @property
+    def what(self) -> object:
+        """What the call is called in errors (its str()): the text it was made with, or, for a
+        communicator's call, the channel itself, 'allreduce (call 7 on world, rank 1 of 4)',
+        formatted only when an error is raised (a small collective should not pay for an f-string)."""
+        return self if self._what is None else self._what
+
+    def __str__(self) -> str:
+        if self._what is not None:
+            return str(self._what)
+        return f"{self._call} (call {self.seq} on {self._comm}, rank {self.rank} of {self.size})"
 
     def derive(self, *, group: Optional[Sequence[int]] = None, rank: Optional[int] = None,
                comm_id: Optional[int] = None, seq: Optional[int] = None, what: Optional[object] = None
@@ -116,8 +116,9 @@ class Channel:
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
-        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1), sig << 16 | dtype_code(arr.dtype),
-                              self.group, self.timeout, self.what, stage, hole)  # (flat(arr), inlined)
+        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1),  # flat(arr) and dtype_code() inlined
+                              sig << 16 | (DTYPE_CODES.get(arr.dtype) or dtype_code(arr.dtype)),
+                              self.group, self.timeout, self if self._what is None else self._what, stage, hole)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

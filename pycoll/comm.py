@@ -13,7 +13,7 @@ from .algorithms import symmetric
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
 from .buffers import as_array, flat
-from .channel import CallName, Channel, byte_view
+from .channel import Channel, byte_view
 from .errors import RevokedError
 from .ids import comm_hash, derived_id
 from .ops import AVG, ReduceOp, dtype_code, finish_avg, reduction
@@ -179,7 +179,7 @@ class Communicator:
         seq, rank, group = next(self._seq), self._rank, self.group
         return Channel(self.transport, group, rank, self.comm_id, seq,
                        self.timeout if timeout is None else timeout,
-                       CallName(collective, seq, self.name, rank, len(group)), self.board, self.windows)
+                       None, self.board, self.windows, collective, self.name)
 
     def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
         if self._worker is None:

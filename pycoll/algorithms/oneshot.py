@@ -10,7 +10,6 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..buffers import flat
 from ..channel import Channel
 from ..ops import ReduceOp, ufunc
 from . import barrier as dissemination
@@ -34,13 +33,12 @@ allreduce.accepts_src = True  # type: ignore[attr-defined]
 _ALLREDUCE_SIGNATURES = {op: board_signature(ALLREDUCE, op) for op in ReduceOp}  # a lookup per small call
 
 
-def _reduce_in_rank_order(inputs: List[np.ndarray], buf: np.ndarray, op: ReduceOp) -> None:
-    """buf = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
-    out = flat(buf)
+def _reduce_in_rank_order(inputs: List[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """out (flat) = ((inputs[0] op inputs[1]) op inputs[2]) ...: the same bits wherever it runs."""
     if len(inputs) == 1:
         np.copyto(out, inputs[0])
         return
-    fn = ufunc(op, buf.dtype)
+    fn = ufunc(op, out.dtype)
     fn(inputs[0], inputs[1], out=out)  # the first two straight into buf: no copy of inputs[0] first
     for other in inputs[2:]:
         fn(out, other, out=out)

@@ -172,7 +172,12 @@ class ShmBoard(Board):
         # later stores)
         mine[i] = b
         self._wake()  # the other members that sleep on their doorbells
-        late = [w for w in self._watch if w[1][w[2]] < b]  # counters before slots: load order (x86-TSO)
+        for w in self._watch:  # counters before slots: load order (x86-TSO)
+            if w[1][w[2]] < b:
+                late = [w for w in self._watch if w[1][w[2]] < b]  # (a list only where a post is late)
+                break
+        else:
+            late = None
         if late:
             spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
             while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
