@@ -16,7 +16,7 @@ from .buffers import as_array, flat
 from .channel import Channel, byte_view
 from .errors import RevokedError
 from .ids import comm_hash, derived_id
-from .ops import AVG, ReduceOp, dtype_code, finish_avg, reduction
+from .ops import AVG, DTYPE_CODES, ReduceOp, dtype_code, finish_avg, reduction
 from .selection import Selector, resolve
 from .topology import Topology
 from .trace import recorder
@@ -156,7 +156,8 @@ class Communicator:
     def _run(self, collective: str, body: Callable[[Channel], Any], async_op: bool,
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
-        self._check_open(collective)
+        if self._closed or self.transport.revoked_error(self.comm_id) is not None:
+            self._check_open(collective)  # raises
         timeout = self.timeout if timeout is None else self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
@@ -302,6 +303,10 @@ class Communicator:
         return int(peer)
 
     def _input(self, x: Any, call: str, writable: bool) -> np.ndarray:
+        """`x` as a C-contiguous numpy array of a supported dtype, writable where the result goes."""
+        if type(x) is np.ndarray and x.dtype in DTYPE_CODES and x.flags.c_contiguous \
+                and (not writable or x.flags.writeable):
+            return x  # the usual argument, accepted without the two calls below
         arr = as_array(x, call, writable, "x")
         dtype_code(arr.dtype)
         return arr
