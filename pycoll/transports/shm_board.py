@@ -119,6 +119,7 @@ class ShmBoard(Board):
         self._counter = {m: lanes[m] * _LINE + _POSTED for m in members}  # index into ctrls[m]
         # (rank, its control view, its counter's index) of every other member: what a call watches
         self._watch = [(m, ctrls[m], self._counter[m]) for m in self.members if m != rank]
+        self._mine = (ctrls[rank], self._counter[rank])  # this rank's control view and its counter's index
         # every member's lane has a stage, or the communicator has none (the same answer on every member)
         self.stage_bytes = STAGE_BYTES if max(lanes.values()) < STAGE_LANES else 0
         kinds = (False, True) if self.stage_bytes else (False,)
@@ -144,28 +145,25 @@ class ShmBoard(Board):
         k, nbytes = b % DEPTH, data.nbytes
         if order is not self._order:
             self._order, self._order_key, self._me = order, tuple(order), list(order).index(self.rank)
-        slots = self._bytes[k, stage]
         h0, h1 = hole
         small = nbytes < PAGE_FROM
         mine_at = 0 if small else data.ctypes.data % PAGE
         if small:  # every post starts at 0: the views are known before the post, and this rank's is one
             layout = (k, stage, data.dtype, data.size, self._order_key, None)
-            views = self._typed.get(layout) or self._views(layout, slots, order, None)
+            views = self._typed.get(layout) or self._views(layout, self._bytes[k, stage], order, None)
         if small and h1 <= h0:
             views[self._me][...] = data  # (np.copyto's dispatch wrapper costs more on a call this small)
         else:
-            raw, slot = data.view(np.uint8), slots[self.rank][mine_at:mine_at + nbytes]
+            raw, slot = data.view(np.uint8), self._bytes[k, stage][self.rank][mine_at:mine_at + nbytes]
             if h1 > h0:  # in bytes from here
                 h0, h1 = h0 * data.itemsize, h1 * data.itemsize
                 slot[:h0] = raw[:h0]
                 slot[h1:] = raw[h1:]
             else:
                 slot[:] = raw
-        ctrls, at = self._ctrls, self._counter
         words = 2 * k - _POSTED  # from a lane's counter to this slot's byte count and signature
         where = _AT + k - _POSTED  # ... and to its offset in the slot
-        mine = ctrls[self.rank]
-        i = at[self.rank]
+        mine, i = self._mine
         mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, mine_at
         # slot, count, signature and offset, then the counter: a peer that sees b sees them, and this
         # rank's reads of earlier calls' slots are done (x86-TSO: stores stay in order, loads before
@@ -200,9 +198,10 @@ class ShmBoard(Board):
                     "ops or roots?", p)
         if small:  # (the same byte count on every member, checked above)
             return views
+        ctrls, at = self._ctrls, self._counter
         offsets = tuple([ctrls[m][at[m] + where] for m in order])
         layout = (k, stage, data.dtype, data.size, self._order_key, offsets)
-        return self._typed.get(layout) or self._views(layout, slots, order, offsets)
+        return self._typed.get(layout) or self._views(layout, self._bytes[k, stage], order, offsets)
 
     def _views(self, layout: Tuple[Any, ...], slots: Dict[int, np.ndarray], order: Sequence[int],
                offsets: Any) -> List[np.ndarray]:
