@@ -162,14 +162,13 @@ class Communicator:
         if self._detail:
             body = debug.checked(collective, fingerprint, body)
         rec, algo, self._chosen = self._recorder, self._chosen, None
-        with self._seq_lock:
-            ch = self.channel(collective, timeout)
-            queued = async_op or self._inflight > 0  # behind queued async work, blocking calls queue too
-            if queued:
-                self._inflight += 1
-            entry = rec.enter(ch.seq, collective, fingerprint, algo) if queued and rec is not None else None
-        if not queued:
+        if not async_op and self._inflight == 0:  # runs now, on this thread (no lock: only queued calls
+            ch = self.channel(collective, timeout)  # change _inflight, and a stale count just queues)
             return body(ch) if rec is None else rec.call(ch.seq, collective, fingerprint, algo, body, ch)
+        with self._seq_lock:  # behind queued async work, blocking calls queue too
+            ch = self.channel(collective, timeout)
+            self._inflight += 1
+            entry = rec.enter(ch.seq, collective, fingerprint, algo) if rec is not None else None
         if entry is not None:
             body = rec.traced(entry, body)
         work = self._submit(ch.what, lambda: body(ch))
