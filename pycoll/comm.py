@@ -328,7 +328,7 @@ class Communicator:
     def allreduce(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *, async_op: bool = False,
                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Reduce `x` across all ranks; every rank gets the result in `out` (or in `x` itself)."""
-        src = self._input(x, "allreduce", writable=out is None)
+        src = self._input(x, "allreduce", out is None)
         op = reduction(op, src.dtype)
         dst = src if out is None else self._output(out, "allreduce", src.dtype, src.size)
         fn = self._algorithm("allreduce", src.nbytes, algo)
@@ -350,7 +350,7 @@ class Communicator:
                async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Reduce `x` onto `root` (into `out`, or `x` in place there); other ranks' buffers stay as they were."""
         root = self._peer(root, "root", "reduce")
-        src = self._input(x, "reduce", writable=out is None and self.rank == root)
+        src = self._input(x, "reduce", out is None and self.rank == root)
         op = reduction(op, src.dtype)
         dst = src if out is None or self.rank != root else self._output(out, "reduce", src.dtype, src.size)
         fn = self._algorithm("reduce", src.nbytes, algo)
@@ -368,7 +368,7 @@ class Communicator:
                        counts: Optional[Sequence[int]] = None, async_op: bool = False,
                        timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Reduce `x` across ranks and leave block `rank` of the result here (equal blocks, or `counts`)."""
-        src = self._input(x, "reduce_scatter", writable=False)
+        src = self._input(x, "reduce_scatter", False)
         op = reduction(op, src.dtype)
         if counts is None:
             if src.size % self.size:
@@ -402,7 +402,7 @@ class Communicator:
                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Copy root's `x` into `x` on every rank."""
         root = self._peer(root, "root", "broadcast")
-        buf = self._input(x, "broadcast", writable=self.rank != root)
+        buf = self._input(x, "broadcast", self.rank != root)
         fn = self._algorithm("broadcast", buf.nbytes, algo)
 
         def body(ch: Channel) -> Any:
@@ -413,7 +413,7 @@ class Communicator:
     def allgather(self, x: Any, out: Any = None, *, async_op: bool = False,
                   timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Every rank's `x`, stacked: an array of shape (size, *x.shape) on every rank."""
-        src = self._input(x, "allgather", writable=False)
+        src = self._input(x, "allgather", False)
         result = np.empty((self.size,) + src.shape, src.dtype) if out is None else out
         dst = self._output(result, "allgather", src.dtype, src.size * self.size)
         return self._gather_all("allgather", src, dst, None, result, async_op, timeout, algo)
@@ -421,7 +421,7 @@ class Communicator:
     def allgatherv(self, x: Any, counts: Sequence[int], out: Any = None, *, async_op: bool = False,
                    timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Concatenate rank i's counts[i] elements, in rank order, on every rank (a flat array)."""
-        src = self._input(x, "allgatherv", writable=False)
+        src = self._input(x, "allgatherv", False)
         counts_l = self._counts(counts, "allgatherv")
         if counts_l[self.rank] != src.size:
             raise ValueError(f"rank {self.rank}: allgatherv counts[{self.rank}]={counts_l[self.rank]} but x "
@@ -436,7 +436,7 @@ class Communicator:
         each rank's element count: (flat array, counts). For blocks whose sizes only their owners
         know (sparse gradients): one call that gathers the counts, then the data (MPI_Allgather of
         the counts, then MPI_Allgatherv)."""
-        src = self._input(x, "allgather_ragged", writable=False)
+        src = self._input(x, "allgather_ragged", False)
         sizes_id = derived_id(self.comm_id, "allgather_ragged counts")
 
         def body(ch: Channel) -> Any:
@@ -465,7 +465,7 @@ class Communicator:
     def alltoall(self, x: Any, out: Any = None, *, async_op: bool = False,
                  timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """Block j of `x` goes to rank j; block i of the result came from rank i (x.size divisible by size)."""
-        src = self._input(x, "alltoall", writable=False)
+        src = self._input(x, "alltoall", False)
         if src.size % self.size:
             raise ValueError(f"rank {self.rank}: alltoall x has {src.size} elements, not divisible by "
                              f"{self.size} ranks")
@@ -481,7 +481,7 @@ class Communicator:
     def alltoallv(self, x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], out: Any = None, *,
                   async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
         """send_counts[j] elements of `x` (packed in rank order) go to rank j; the result packs what each sent."""
-        src = self._input(x, "alltoallv", writable=False)
+        src = self._input(x, "alltoallv", False)
         sc = self._counts(send_counts, "alltoallv", "send_counts")
         rc = self._counts(recv_counts, "alltoallv", "recv_counts")
         if sum(sc) != src.size:
@@ -500,7 +500,7 @@ class Communicator:
                timeout: Optional[float] = None) -> Any:
         """At `root`: every rank's `x` stacked as (size, *x.shape); elsewhere None."""
         root = self._peer(root, "root", "gather")
-        src = self._input(x, "gather", writable=False)
+        src = self._input(x, "gather", False)
         result = None
         if self.rank == root:
             result = np.empty((self.size,) + src.shape, src.dtype) if out is None else out
@@ -519,7 +519,7 @@ class Communicator:
         Non-root ranks pass `out` (or an `x` of the full shape, whose contents are ignored).
         """
         root = self._peer(root, "root", "scatter")
-        src = self._input(x, "scatter", writable=False) if x is not None else None
+        src = self._input(x, "scatter", False) if x is not None else None
         if out is None:
             if src is None or src.ndim == 0 or src.shape[0] != self.size:
                 raise ValueError(f"rank {self.rank}: scatter needs out= or an x of shape ({self.size}, ...)")
@@ -543,7 +543,7 @@ class Communicator:
         sum(counts), or `out`); elsewhere None (MPI_Gatherv with packed displacements). Every rank's
         `x` holds counts[rank] elements; every rank passes the same counts and root."""
         root = self._peer(root, "root", "gatherv")
-        src = self._input(x, "gatherv", writable=False)
+        src = self._input(x, "gatherv", False)
         counts_l = self._counts(counts, "gatherv")
         if counts_l[self.rank] != src.size:
             raise ValueError(f"rank {self.rank}: gatherv counts[{self.rank}]={counts_l[self.rank]} but x "
@@ -566,7 +566,7 @@ class Communicator:
         be None (then `out` is needed) and only gives the dtype of a new result."""
         root = self._peer(root, "root", "scatterv")
         counts_l = self._counts(counts, "scatterv")
-        src = self._input(x, "scatterv", writable=False) if x is not None else None
+        src = self._input(x, "scatterv", False) if x is not None else None
         mine = counts_l[self.rank]
         if out is None:
             if src is None:
@@ -655,7 +655,7 @@ class Communicator:
         """Everything a point-to-point call needs, checked, nothing posted."""
         self._check_open(call)
         sending = call.endswith("send")
-        arr = self._input(x, call, writable=not sending)
+        arr = self._input(x, call, not sending)
         if not sending and (peer is None or (not isinstance(peer, bool) and isinstance(peer, (int, np.integer))
                                              and peer == ANY_SOURCE)):
             peer, whom = ANY_SOURCE, "any rank"

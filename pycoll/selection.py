@@ -156,9 +156,9 @@ class Selector:
     def function(self, collective: str, nbytes: int, topo: Topology, algo: Optional[str] = None) -> Callable:
         """The function to run for one call: chosen, and bound to the topology where it needs one
         (remembered per exact call shape: the same answer costs a dict lookup on the hot path)."""
-        key = (collective, nbytes, algo, id(topo))
+        key = (collective, nbytes, algo)
         hit = self._calls.get(key)
-        if hit is not None and hit[0] is topo:
+        if hit is not None and hit[0] is topo:  # (the topology kept beside the answer: another one misses)
             return hit[1]
         modeled = self._modeled.get(collective)
         if algo is None and modeled and topo.size > 1:
@@ -167,7 +167,7 @@ class Selector:
             fn = self.bind(collective, self.choose(collective, nbytes, topo.size, algo, topo), topo)
         if len(self._calls) > 4096:
             self._calls.clear()
-        self._calls[key] = (topo, fn)  # the topology kept beside its id, so a reused id never matches
+        self._calls[key] = (topo, fn)
         return fn
 
     def phase(self, collective: str, nbytes: int, topo: Topology, streams: int) -> Callable:
