@@ -118,7 +118,7 @@ class Channel:
             return None
         return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1),  # flat(arr) and dtype_code() inlined
                               sig << 16 | (DTYPE_CODES.get(arr.dtype) or dtype_code(arr.dtype)),
-                              self.group, self.timeout, self if self._what is None else self._what, stage, hole)
+                              self.group, self.timeout, self.what, stage, hole)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

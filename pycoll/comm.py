@@ -156,8 +156,7 @@ class Communicator:
     def _run(self, collective: str, body: Callable[[Channel], Any], async_op: bool,
              timeout: Optional[float], fingerprint: debug.Fingerprint) -> Any:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
-        if self._closed or self.transport.revoked_error(self.comm_id) is not None:
-            self._check_open(collective)  # raises
+        self._check_open(collective)
         timeout = self.timeout if timeout is None else self._deadline(timeout, collective)
         if self._detail:
             body = debug.checked(collective, fingerprint, body)

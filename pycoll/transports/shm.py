@@ -25,8 +25,8 @@ their own. A writer copies the payload, then stores the head counter (an aligned
 a reader loads the head, then reads the payload, then stores the tail; a board post writes its slot,
 byte count and signature, then its call counter. TSO keeps stores in order with stores and loads
 with loads (and loads before later stores), so whoever sees a counter sees the bytes it publishes.
-The only fence is _fence(), for the store->load order of the doorbell handshake (the one reordering
-x86 does). On ARM or POWER a reader could see a new head or counter before the bytes behind it
+The only fence is _fence() (its two lines inlined in _wake_sleepers, which runs on every board post),
+for the store->load order of the doorbell handshake (the one reordering x86 does). On ARM or POWER a reader could see a new head or counter before the bytes behind it
 (stale or garbage payload, a wrong signature), and a writer could reuse space the reader is still
 reading; a port needs release stores and acquire loads of the counters (a tiny C helper, or the
 `atomics` package; a lock round trip is no full fence there either), or shm refused there. Nothing
@@ -36,8 +36,8 @@ docs/architecture.md).
 from __future__ import annotations
 
 import ctypes
-import math
 import functools
+import math
 import mmap
 import os
 import re
