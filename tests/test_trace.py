@@ -209,6 +209,53 @@ def test_buffer_zero_turns_recording_off(tmp_path: Path) -> None:
     assert paths == [None, None] and not folder.exists()
 
 
+def _dump_while_blocked(comm, folder: str) -> tuple:
+    """Rank 0 blocks in an allreduce that rank 1 enters only after rank 0 has dumped from a thread: the
+    running call is in that dump (started, with its line), and once (completed) after it."""
+    import threading
+    from pycoll.trace import recorder
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    first = os.path.join(folder, f"during{comm.rank}.json")
+    if comm.rank == 0:
+        main = threading.main_thread().ident
+
+        def dump_when_inside() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the main thread is inside the recorder's call()
+                f = sys._current_frames().get(main)
+                while f is not None and f.f_code is not recorder._CALL_CODE:
+                    f = f.f_back
+                if f is not None:
+                    break
+                time.sleep(0.01)
+            recorder.dump(first)
+        thread = threading.Thread(target=dump_when_inside)
+        thread.start()
+        comm.allreduce(x)  # the blocked call
+        thread.join()
+    else:
+        _wait(lambda: os.path.exists(first.replace("during1", "during0")), 30)
+        comm.allreduce(x)
+    after = recorder.dump(os.path.join(folder, f"after{comm.rank}.json"))
+    return (json.loads(Path(first).read_text()) if comm.rank == 0 else None), json.loads(Path(after).read_text())
+
+
+@pytest.mark.timeout(90)
+def test_a_running_call_is_in_the_dump(tmp_path: Path) -> None:
+    """A blocking call is recorded when it ends; a dump made while it runs finds it on its thread's stack."""
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    (during, after), _ = run_ranks(_dump_while_blocked, 2, str(folder), env={"PYCOLL_TUNER": "static"})
+    (world,) = during["comms"]
+    assert [(c["call"], c["seq"], c["state"]) for c in world["calls"]] == [("allreduce", 1, "completed"),
+                                                                          ("allreduce", 2, "started")], world
+    running = world["calls"][-1]
+    assert running["site"].startswith(__file__) and running["end"] is None and running["enter"] > 0, running
+    (world,) = after["comms"]
+    assert [(c["seq"], c["state"]) for c in world["calls"]] == [(1, "completed"), (2, "completed")]
+
+
 SLOW_LOOP = """
 import os, sys, time, numpy as np, pycoll
 comm = pycoll.init()

@@ -1,8 +1,10 @@
 """The flight recorder: every communicator's last calls, kept in a fixed ring and dumped as JSON.
 
-Recording is on the hot path of every call, so it does no formatting: enter() stores one small
-list (call number, collective, the fingerprint tuple the communicator built anyway, the algorithm
-function, times, the user's file and line) in a preallocated ring, and complete() flips its state.
+Recording is on the hot path of every call, so it does no formatting. A blocking call is stored
+once, when it ends: one tuple (call number, collective, the fingerprint tuple the communicator
+built anyway, the algorithm function, times, the user's code and instruction) in a preallocated
+ring; while it runs, a dump finds it on its thread's stack. Queued (async) and point-to-point
+calls get a list that changes state as they go.
 Everything is turned into text only when a dump is written: when a pycoll error ends a call, on
 SIGUSR1 (the job goes on), on SIGTERM (then the process ends as it would have), and after an
 uncaught exception, each to PYCOLL_TRACE_DIR/rank<R>.json (written whole, then renamed).
@@ -54,7 +56,8 @@ MAX_TEXT = 600  # error messages are cut to this many characters in a dump
 MAX_FRAMES = 24  # stack frames kept per thread in a dump
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_OUTSIDE = (os.path.join(_PACKAGE_DIR, "trainer") + os.sep,)  # pycoll's own applications count as user code
+# pycoll's own applications (the trainer, the bench's loops) count as user code: their lines are the call sites
+_OUTSIDE = (os.path.join(_PACKAGE_DIR, "trainer") + os.sep, os.path.join(_PACKAGE_DIR, "cli") + os.sep)
 _internal: Dict[str, bool] = {}  # code file name -> inside pycoll (or torch.distributed)?
 _time = time.time
 _getframe = sys._getframe
@@ -137,33 +140,40 @@ class Recorder:
         return e
 
     def call(self, seq: int, call: str, fingerprint: Tuple, algo: Any, body: Callable[[Any], Any], ch: Any) -> Any:
-        """Run the blocking call number `seq`, `body(ch)`, recording it as entered, then completed or
-        failed: one function, since this is the hot path of every blocking call (enter() and
-        complete() inlined; the user's frame is 3 up: this, Communicator._run, the collective)."""
+        """Run the blocking call number `seq`, `body(ch)`, and record it once it has ended: one tuple
+        stored in the ring (enter() and complete() inlined: this is the hot path of every blocking
+        call). While it runs, only this frame knows of it; a dump finds it there (_running())."""
+        live = self._live
+        if live is not None:
+            live[self._base + _C_ENTERED] = seq
+        t = _time()
         try:
+            result = body(ch)
+        except BaseException as error:
+            e = [seq, call, fingerprint, algo, STARTED, t, t, 0.0, None, 0, None, None]
+            _site(e, 3)
+            self._store(e)
+            self.fail(e, error)
+            raise
+        try:  # the user's frame is 3 up: this, Communicator._run, the collective
             f: Any = _getframe(3)
         except ValueError:  # a thread that C++ started (torch's autograd engine running DDP's hook)
             f = None
         if f is not None and f.f_code is not _user_code:
             f = _first_outside(f)
-        t = _time()
         n = self._n
-        self._ring[n % self.capacity] = e = [seq, call, fingerprint, algo, STARTED, t, t, 0.0,
-                                             None if f is None else f.f_code, 0 if f is None else f.f_lasti,
-                                             None, None]
+        self._ring[n % self.capacity] = (seq, call, fingerprint, algo, COMPLETED, t, t, _time(),
+                                         None if f is None else f.f_code, 0 if f is None else f.f_lasti,
+                                         None, None)
         self._n = n + 1
-        live = self._live
-        if live is not None:
-            live[self._base + _C_ENTERED] = seq
-        try:
-            result = body(ch)
-        except BaseException as error:
-            self.fail(e, error)
-            raise
-        e[STATE], e[T_END] = COMPLETED, _time()
         if live is not None:
             live[self._base + _C_COMPLETED] = seq
         return result
+
+    def _store(self, e: list) -> None:
+        n = self._n
+        self._ring[n % self.capacity] = e
+        self._n = n + 1
 
     def enter_p2p(self, call: str, fingerprint: Tuple) -> list:
         """Record a point-to-point call (`fingerprint`: dtype, count, peer, tag); numbered on its own."""
@@ -224,10 +234,32 @@ class Recorder:
 
     # -- reading it -------------------------------------------------------------------------------
     def entries(self) -> List[list]:
-        """Copies of the recorded entries, oldest first."""
+        """Copies of the recorded entries and of the blocking calls running now, oldest first."""
         n, cap, ring = self._n, self.capacity, list(self._ring)
         order = range(n) if n <= cap else range(n - cap, n)
-        return [list(e) for e in (ring[i % cap] for i in order) if e is not None]
+        out = [list(e) for e in (ring[i % cap] for i in order) if e is not None]
+        ended = {(e[CALL], e[SEQ]) for e in out}
+        out += [e for e in self._running() if (e[CALL], e[SEQ]) not in ended]
+        out.sort(key=lambda e: e[T_ENTER])
+        return out
+
+    def _running(self) -> List[list]:
+        """The blocking calls of this communicator that are running now, on any thread, as entries:
+        call() records a call only when it ends, so its frame is where a running one is found."""
+        running = []
+        for top in list(sys._current_frames().values()):
+            f = top
+            while f is not None:
+                if f.f_code is _CALL_CODE and f.f_locals.get("self") is self and "t" in f.f_locals:
+                    v = f.f_locals
+                    e = [v["seq"], v["call"], v["fingerprint"], v["algo"], STARTED, v["t"], v["t"], 0.0, None, 0,
+                         None, None]
+                    user = _first_outside(f.f_back)
+                    if user is not None:
+                        e[FILE], e[LINE] = user.f_code, user.f_lasti
+                    running.append(e)
+                f = f.f_back
+        return running
 
     def last_time(self) -> float:
         """When the newest entry was entered (0 if none)."""
@@ -239,6 +271,9 @@ class Recorder:
         return {"name": self.name, "id": f"{self.comm_id:#018x}", "rank": self.rank, "size": len(self.group),
                 "group": self.group, "capacity": self.capacity, "recorded": self._n,
                 "calls": [_entry_json(e) for e in self.entries()]}
+
+
+_CALL_CODE = Recorder.call.__code__
 
 
 def _entry_json(e: list) -> Dict[str, Any]:
