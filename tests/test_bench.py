@@ -279,3 +279,30 @@ def test_peer_columns_agree_with_standalone_loops():
     off = [(r["peer"], r["size"], round(r["time_ratio"], 2)) for r in rows if abs(r["time_ratio"] - 1) > 0.15]
     assert not off, (f"bench/standalone medians off by more than 15% (load average {os.getloadavg()}) at {off}\n"
                      + standalone_peers.markdown(rows, 0.15))
+
+
+@pytest.mark.timeout(60)
+def test_cross_cpu_state_times_an_exchange_between_two_cpus():
+    """benchmarks/cross_cpu.py (the machine-state check around the cores test's jobs): a 1 MiB exchange
+    between processes bound to CPUs 0 and 1 against one process's two copies, and the verdict."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import cross_cpu
+    s = cross_cpu.state()
+    assert s["reference_us"] > 0
+    if (os.cpu_count() or 1) >= 2:
+        assert s["exchange_us"] > 0 and s["ratio"] == pytest.approx(s["exchange_us"] / s["reference_us"])
+        assert s["slow"] == (s["ratio"] > cross_cpu.SLOW)
+
+
+@pytest.mark.timeout(180)
+def test_torch_layer_floor_prints_each_size():
+    """benchmarks/torch_layer_floor.py under `pycoll run -n 2`: a null Python backend beside pycoll's,
+    one table row per size with both layers' figures."""
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "pycoll", "run", "-n", "2", sys.executable,
+                          "benchmarks/torch_layer_floor.py", "--rounds", "4"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if re.search(r"\| (8|1048576|16777216) B \|", line)]
+    assert len(rows) == 3 and all(re.search(r"\*\*\+?-?\d+\.\d us\*\*", r) for r in rows), out.stdout

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any, Dict, List, Sequence
@@ -18,6 +19,9 @@ import numpy as np
 import pytest
 
 from multiproc import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import cross_cpu  # noqa: E402
 from pycoll.topology import Topology
 from pycoll.tuner import Link, Params, Tuner
 
@@ -67,36 +71,53 @@ def reduce_gamma(comm: Any, iters: int) -> float:
 
 
 def bench(comm: Any, sizes: Sequence[int], algos: Sequence[str], iters: int) -> Dict[str, Any]:
-    """Per size and algorithm the median over `iters` of the slowest rank's time; the tuner's
-    parameters and choice; a sustained measure of the same links."""
+    """Per size and algorithm the median over `iters` of the slowest rank's time, measured in rounds
+    that visit every point once (the first round warms up; in each visit a call of the same shape
+    runs first, as in a loop of them): a spell of the machine's slow state (measure()) then lands on a
+    few samples of every point, not on all samples of a few; the tuner's parameters and choice; a
+    sustained measure of the same links."""
     tuner = comm.selector.tuner
     link = sustained(comm, iters) + [reduce_gamma(comm, iters)]
-    rows = []
-    for nbytes in sizes:
-        chosen = comm.selector.choose("allreduce", nbytes, comm.size, topo=comm.topology)
-        for algo in algos:
-            if math.isinf(tuner.predict("allreduce", algo, nbytes, comm.topology)):
-                continue
-            times = []
-            for it in range(iters + 1):
-                x = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)
-                comm.barrier()
-                t = time.perf_counter()
-                comm.allreduce(x, algo=algo)
-                took = np.array([time.perf_counter() - t])
-                comm.allreduce(took, op="max", algo="recursive_doubling")
-                if it:
-                    times.append(float(took[0]))
-            rows.append({"bytes": nbytes, "algo": algo, "chosen": algo == chosen, "measured": statistics.median(times)})
+    points = [(nbytes, algo) for nbytes in sizes for algo in algos
+              if not math.isinf(tuner.predict("allreduce", algo, nbytes, comm.topology))]
+    times: Dict[Any, List[float]] = {point: [] for point in points}
+    for it in range(iters + 1):
+        for nbytes, algo in points:
+            x = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)
+            comm.allreduce(x, algo=algo)  # warm, as a call of the same shape just before leaves it
+            comm.barrier()
+            t = time.perf_counter()
+            comm.allreduce(x, algo=algo)
+            took = np.array([time.perf_counter() - t])
+            comm.allreduce(took, op="max", algo="recursive_doubling")
+            if it:
+                times[nbytes, algo].append(float(took[0]))
+    chosen = {nbytes: comm.selector.choose("allreduce", nbytes, comm.size, topo=comm.topology) for nbytes in sizes}
+    rows = [{"bytes": nbytes, "algo": algo, "chosen": algo == chosen[nbytes],
+             "measured": statistics.median(times[nbytes, algo])} for nbytes, algo in points]
     return {"rows": rows, "params": list(tuner.params.row()), "cores": comm.topology.cores[0],
             "board": tuner.board_bytes, "stage": tuner.stage_bytes, "sustained": link,
             "load": os.getloadavg()[0]}
 
 
-def measure(ranks: Sequence[int], iters: int = 5) -> Dict[int, Dict[str, Any]]:
-    """bench on n ranks of this host, for each n (a fresh tuner probe each time)."""
-    return {n: run_ranks(bench, n, SIZES, ALGOS, iters, timeout=600, env={"PYCOLL_TUNER_CACHE": "off"})[0]
-            for n in ranks}
+def measure(ranks: Sequence[int], iters: int = 7, tries: int = 3) -> Dict[int, Dict[str, Any]]:
+    """bench on n ranks of this host, for each n (a fresh tuner probe each time). This VM has spells of
+    10-30 s in which all data crossing between its CPUs runs 6-8x slower (benchmarks/cross_cpu.py);
+    a model calibrated at init cannot follow them, so the machine's state is measured before and after
+    each job, and a job that a slow check brackets runs again (at most `tries` times; the last is kept,
+    marked)."""
+    out = {}
+    for n in ranks:
+        for attempt in range(1, tries + 1):
+            before = cross_cpu.state()
+            res = run_ranks(bench, n, SIZES, ALGOS, iters, timeout=600, env={"PYCOLL_TUNER_CACHE": "off"})[0]
+            after = cross_cpu.state()
+            res["machine"] = [before, after]
+            res["slow_state"], res["attempt"] = before["slow"] or after["slow"], attempt
+            if not res["slow_state"]:
+                break
+        out[n] = res
+    return out
 
 
 def predictions(res: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
@@ -140,12 +161,22 @@ def table(results: Dict[int, Dict[str, Any]]) -> str:
                          f"/{len(e)}")
     notes = [f"{n} ranks: probe shm {Params.from_row(res['params'], 'p').shm.describe()}, sustained "
              f"{Link(*res['sustained'][:2]).describe()}, reduce {1e-9 / res['sustained'][2]:.2g} GB/s "
-             f"(probe {1e-9 / res['params'][4]:.2g}); load {res['load']:.1f}" for n, res in results.items()]
+             f"(probe {1e-9 / res['params'][4]:.2g}); load {res['load']:.1f}{_machine(res)}"
+             for n, res in results.items()]
     return "\n".join(lines + [""] + notes)
 
 
+def _machine(res: Dict[str, Any]) -> str:
+    """The cross-CPU checks around the job (benchmarks/cross_cpu.py), where they were made."""
+    if "machine" not in res:
+        return ""
+    ratios = " and ".join(f"{m['ratio']:.1f}x" for m in res["machine"] if m["ratio"] is not None)
+    return (f"; cross-CPU exchange before and after: {ratios}{' (SLOW STATE)' if res['slow_state'] else ''}"
+            f"{', job run ' + str(res['attempt']) + ' times' if res.get('attempt', 1) > 1 else ''}")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_single_collectives_within_2x_with_ranks_sharing_cores():
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > 4 * cores:  # other jobs' runnable tasks, which the model does not know, would dominate

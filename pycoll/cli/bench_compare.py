@@ -45,6 +45,7 @@ class Job:
     readers: List[Any] = field(default_factory=list)
     via: str = ""
     pids: List[int] = field(default_factory=list)
+    session_dir: str = ""  # this job's own Open MPI session folder
 
     def fail(self, what: str) -> RuntimeError:
         """An error naming this job and what went wrong, with the head and tail of its mpirun output."""
@@ -91,8 +92,12 @@ def launch(name: str, n: int, bind: str) -> Job:
     log = tempfile.TemporaryFile("w+")
     cmd = mpirun_prefix(lib, n, bind) + [sys.executable, WORKER, lib, str(listener.getsockname()[1]),
                                          "--transport", transport, "--store-port", str(free_port())]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env(), text=True)
-    return Job(name, lib, proc, log, listener)
+    # each job its own Open MPI session folder: mpiruns started together race to create the shared
+    # /tmp/ompi.<host>.<uid>, and the loser ends with "mkdir ... File exists"
+    session = tempfile.mkdtemp(prefix="pycoll-bench-ompi-")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env=dict(job_env(), OMPI_MCA_orte_tmpdir_base=session))
+    return Job(name, lib, proc, log, listener, session_dir=session)
 
 
 def connect(job: Job, n: int, deadline: float) -> None:
@@ -282,6 +287,7 @@ def run(n: int, sizes: List[int], transports: List[str], peers: List[str], round
                 job.proc.kill()
                 job.proc.wait()
             job.log.close()
+            shutil.rmtree(job.session_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     load.append(os.getloadavg())
