@@ -28,20 +28,31 @@ SIZES = (8, 1 << 20, 16 << 20)
 
 
 class NullGroup(dist.ProcessGroup):
-    """A Python backend whose allreduce returns at once: torch's own cost around a call."""
+    """A Python backend whose allreduce returns at once ("null": torch's own cost around a call), or
+    ("bare") after the two reads no backend can skip: the op from the options, the tensor's memory."""
+
+    def __init__(self, rank: int, size: int, reads: bool) -> None:
+        super().__init__(rank, size)
+        self.reads = reads
 
     def getBackendName(self) -> str:
-        return "null"
+        return "bare" if self.reads else "null"
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> None:
+        if self.reads:
+            opts.reduceOp
+            for t in tensors:
+                t.numpy()
         return None
 
     def barrier(self, opts: Any = None) -> None:
         return None
 
 
-def _create(opts: Any, backend_options: Any = None) -> NullGroup:
-    return NullGroup(int(opts.group_rank), int(opts.group_size))
+def _creator(reads: bool) -> Any:
+    def create(opts: Any, backend_options: Any = None) -> NullGroup:
+        return NullGroup(int(opts.group_rank), int(opts.group_size), reads)
+    return create
 
 
 def main() -> None:
@@ -49,9 +60,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=200)
     args = p.parse_args()
     torch.set_num_threads(1)
-    dist.Backend.register_backend("null", _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend("null", _creator(False), extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend("bare", _creator(True), extended_api=True, devices=["cpu"])
     dist.init_process_group("pycoll")
-    null = dist.new_group(backend="null")
+    null, bare = dist.new_group(backend="null"), dist.new_group(backend="bare")
     backend = null if isinstance(null, NullGroup) else null._get_backend(torch.device("cpu"))
     world = dist.group.WORLD
     comm = (world if hasattr(world, "comm") else world._get_backend(torch.device("cpu"))).comm
@@ -61,10 +73,10 @@ def main() -> None:
     for nbytes in SIZES:
         t = torch.zeros(nbytes // 4)
         x = t.numpy()
-        times: Dict[str, List[float]] = {"null_dist": [], "null_direct": [], "pycoll_dist": [], "pycoll_comm": []}
+        kinds = ["null_dist", "null_direct", "bare_dist", "pycoll_dist", "pycoll_comm"]
+        times: Dict[str, List[float]] = {k: [] for k in kinds}
         for r in range(args.rounds + 10):
-            for kind in (("null_dist", "null_direct") if r % 2 == 0 else ("null_direct", "null_dist")) + \
-                    (("pycoll_dist", "pycoll_comm") if r % 2 == 0 else ("pycoll_comm", "pycoll_dist")):
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # the order rotates by round
                 comm.allreduce(x)  # caches as a call of this size leaves them
                 comm.barrier()
                 t0 = time.perf_counter()
@@ -73,6 +85,9 @@ def main() -> None:
                     comm.allreduce(x)
                 elif kind == "null_direct":
                     backend.allreduce([t], opts)
+                    comm.allreduce(x)
+                elif kind == "bare_dist":
+                    dist.all_reduce(t, group=bare)
                     comm.allreduce(x)
                 elif kind == "pycoll_dist":
                     dist.all_reduce(t)
@@ -88,12 +103,14 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks, {args.rounds} rounds per size, each call after a real pycoll "
               f"allreduce of its size; medians (slowest rank)")
-        print("| size | null backend: dist.all_reduce + comm.allreduce | null backend: its allreduce called "
-              "directly + comm.allreduce | torch's floor for a Python backend | pycoll: dist.all_reduce minus comm.allreduce |")
-        print("|---|---|---|---|---|")
+        print("| size | null: dist.all_reduce + comm.allreduce | null: allreduce called directly + comm.allreduce "
+              "| torch's floor (null: dist minus direct) | with the op and tensor reads (bare: dist minus null direct) "
+              "| pycoll: dist.all_reduce minus comm.allreduce |")
+        print("|---|---|---|---|---|---|")
         for nbytes, m in results.items():
             print(f"| {nbytes} B | {m['null_dist'] * 1e6:.1f} us | {m['null_direct'] * 1e6:.1f} us "
                   f"| **+{(m['null_dist'] - m['null_direct']) * 1e6:.1f} us** "
+                  f"| **+{(m['bare_dist'] - m['null_direct']) * 1e6:.1f} us** "
                   f"| +{(m['pycoll_dist'] - m['pycoll_comm']) * 1e6:.1f} us |")
     dist.destroy_process_group()
 
