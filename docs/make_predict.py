@@ -139,10 +139,11 @@ sustained (median 4 MiB round trips, a 4 MiB reduction alone).
 Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
 - every call costs Python beyond its messages (argument checks, selection, the Work, the hand-off to the
   communicator's worker, the slowest rank's wait for the last one to arrive), none of it in the model
-  at first. Now `CALL_OVERHEAD` (3 us) x crowd^2, crowd = ranks per core: the ranks of a core run
+  at first. Now `CALL_OVERHEAD` (8 us) x crowd^2, crowd = ranks per core: the ranks of a core run
   their calls in turn, and each waits through the others' turns. Measured beyond predict() and the
-  wake-ups, 8 B one-shot, session 18 (two runs): 1-2 us at 1 rank per core, 10-12 us at 2, 30 us
-  (once 197) at 4; it was 12, 40 and 183 us before sessions 17-18 halved the Python of a small call.
+  wake-ups, 8 B one-shot, session 18: 1-12 us at 1 rank per core (the probe's latency, half of which
+  predict() charges a post, swings 10-30 us between runs), 10-49 us at 2, 30-197 us at 4; it was 12, 40
+  and 183 us before sessions 17-18 halved the Python of a small call.
 - with more ranks than cores, a rank that waits for a message spins a while, then sleeps on its
   doorbell, and the sender must get a core first: each message waits about a scheduling turn per rank
   beyond the cores. Now `WAKE` x (ranks - cores) per message. It is kept out of the ranking: ranked
@@ -183,7 +184,8 @@ Why the tuner's absolute figures were 3-12x optimistic here, and what is fixed:
   with a core per rank 2-3x too slow (8 B on 2 ranks: 45 us predicted, 17-22 us measured). Session
   13 charged 12 us x crowd^2: fitted on three runs (the picks within 2x: 11, 10 and 11 of 12, from
   10, 9 and 10 with the old charge), then checked on two more (12 and 11 of 12). Session 18 refitted
-  it to 3 us after the small-call cuts: at 12 us the 2-rank 8 B pick came out 0.51-0.62x the model.
+  it after the small-call cuts on six runs' picks: at 12 us the 2-rank 8 B pick came out 0.51-0.62x
+  the model in some, at 3 us 2.15x in another; at 8 us all six runs' picks fall within 0.62-1.8x.
 """
 
 

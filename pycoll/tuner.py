@@ -352,14 +352,15 @@ BOARD_POST = 0.5
 #   Measured beyond predict() and the wake-ups (8 B, one-shot): 12 us at 1 rank per core, 40 at 2,
 #   183 at 4. (Charged x crowd at 40 us, a call on ranks with a core each was priced 2-3x too slow;
 #   refitted on three runs, session 13: the tuner's picks within 2x in 11, 10, 11 of 12, from 10, 9, 10.)
-#   Refitted again in session 18, after sessions 17-18 halved the Python of a small call: beyond predict()
-#   and the wake-ups, 8 B one-shot, two runs, 1 and 2 us at 1 rank per core, 2.5 and 3 us x 4 at 2,
-#   1.9 (and once 12) us x 16 at 4; at 12 us the 2-rank 8 B pick came out 0.51-0.62x the model.
+#   Refitted in session 18, after sessions 17-18 halved the Python of a small call, on the picks of six
+#   runs (8 B and 64 KiB on 2 ranks, where it weighs most, and 4 and 8 ranks): at 12 us the 2-rank 8 B
+#   pick came out 0.51-0.62x the model in some runs, at 3 us 2.15x in another (the probe's latency swings
+#   10-30 us between runs, the call 10-17 us); 8 us keeps every pick of the six within 0.62-1.8x.
 # - WAKE: with more ranks than cores a rank waiting for a message spins a while, then sleeps on its
 #   doorbell, and the sender must first get a core: every message waits about a scheduling turn per
 #   rank beyond the cores. (Ranking with it picked recursive doubling for 4 MiB on 3-8 ranks, measured
 #   2-3x slower than the two-shot the model picks without it, so it stays out of predict().)
-CALL_OVERHEAD = 3e-6
+CALL_OVERHEAD = 8e-6
 WAKE = 0.1e-3
 
 

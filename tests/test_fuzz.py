@@ -200,9 +200,15 @@ def test_store_wait_timeouts_that_are_not_plain_numbers(timeout):
     """NaN or negative: an immediate 'missing'; infinite or huge: wait until the key appears."""
     srv = TCPStore("127.0.0.1", 0, is_master=True, token=TOKEN, timeout=5, bind_host="127.0.0.1")
     try:
-        if timeout > 0:
-            threading.Timer(0.3, srv.set, args=("late", b"v")).start()
-            assert srv.get("late", timeout=timeout) == b"v"
+        if timeout > 0:  # the late key comes from a client of its own (one client is one connection)
+            other = TCPStore("127.0.0.1", srv.port, token=TOKEN, timeout=5)
+            timer = threading.Timer(0.3, other.set, args=("late", b"v"))
+            timer.start()
+            try:
+                assert srv.get("late", timeout=timeout) == b"v"
+            finally:
+                timer.join()
+                other.close()
         else:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError):

@@ -132,9 +132,7 @@ class Recorder:
         t = _time()
         e = [seq, call, fingerprint, algo, QUEUED, t, t, 0.0, None, 0, None, None]
         _site(e, 3)  # this, Communicator._run, the collective's method, then the user's frame
-        n = self._n
-        self._ring[n % self.capacity] = e
-        self._n = n + 1
+        self._store(e)
         if self._live is not None:
             self._live[self._base + _C_ENTERED] = seq
         return e
@@ -171,6 +169,7 @@ class Recorder:
         return result
 
     def _store(self, e: list) -> None:
+        """Put entry `e` in the ring, over the oldest once it is full."""
         n = self._n
         self._ring[n % self.capacity] = e
         self._n = n + 1
@@ -181,9 +180,7 @@ class Recorder:
         t = _time()
         e = [self._p2p, call, fingerprint, None, STARTED, t, t, 0.0, None, 0, None, None]
         _site(e, 2)
-        n = self._n
-        self._ring[n % self.capacity] = e
-        self._n = n + 1
+        self._store(e)
         if self._live is not None:
             self._live[self._base + _C_P2P_ENTERED] = self._p2p
         return e
