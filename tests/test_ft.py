@@ -458,10 +458,16 @@ def _trainer(tmp_path, kill_rank=None, after="step 30/"):
             deadline = time.monotonic() + 90
             while after not in out.read_text() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            for line in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
-                with open(f"/proc/{line}/environ", "rb") as env:
-                    if f"RANK={kill_rank}".encode() in env.read().split(b"\0"):
-                        os.kill(int(line), signal.SIGKILL)
+            # every rank stopped first, so that none gets further while the test finds the one to kill
+            # (a step takes ~4 ms here: a loaded run once finished its training before the kill landed)
+            ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                    text=True).stdout.split()]
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
+            for pid in ranks:
+                with open(f"/proc/{pid}/environ", "rb") as env:
+                    doomed = f"RANK={kill_rank}".encode() in env.read().split(b"\0")
+                os.kill(pid, signal.SIGKILL if doomed else signal.SIGCONT)
         assert proc.wait(150) == 0, out.read_text()
     finally:
         if proc.poll() is None:
