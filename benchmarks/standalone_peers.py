@@ -8,8 +8,8 @@ mpi4py or torch.distributed Gloo loop in processes that import nothing of pycoll
 same mpirun line (same binding, same environment), on the same buffers (np.ones, in-place float32
 SUM), the same iterations per round and rounds the bench used, each round visiting every size as the
 bench's do, scored the same way (median over rounds of the slowest rank's mean call). A loop job that
-a check of the machine's cross-CPU state (cross_cpu.py) finds slow before or after runs again. Bench and standalone runs alternate (bench first on even
-repeats, the loops first on odd ones, with the bench's iterations of the repeat before), so load that
+a check of the machine's cross-CPU state (cross_cpu.py) finds slow before or after runs again. Bench
+and standalone runs alternate (bench first on even repeats, the loops first on odd ones, with the bench's iterations of the repeat before), so load that
 drifts falls on both; per (peer, size) the median over repeats of each is compared (the fastest round of
 all repeats of each is listed too). Exit status 1 if any bench/standalone ratio of medians is off by
 more than the tolerance.
@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pycoll.cli import bench_compare  # noqa: E402
+from pycoll.cli.bench import parse_size  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cross_cpu  # noqa: E402
-from pycoll.cli.bench import parse_size  # noqa: E402
 
 LOOP = r'''
 import json, os, resource, sys, time
@@ -94,18 +94,17 @@ def standalone(lib: str, n: int, bind: str, plan: List[Tuple[int, int]], rounds:
     beside this VM's 10-30 s spells of slow cross-CPU traffic (benchmarks/cross_cpu.py), which the
     bench's longer interleaved run spreads over all libraries: a job that a slow check of the machine
     brackets runs again (at most `tries` times)."""
-    for _ in range(tries):
-        before = cross_cpu.state()["slow"]
+    def job() -> Dict[str, Any]:
         script = LOOP % (lib, plan, rounds, bench_compare.free_port())
         run = ["-c", script] if lib == "gloo" else ["-m", "mpi4py", "-c", script]  # mpi4py: an error aborts the job
         cmd = bench_compare.mpirun_prefix(lib, n, bind) + [sys.executable] + run
         proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_compare.job_env(), timeout=900)
-        result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
-        if result is None:
-            raise RuntimeError(f"standalone {lib} loop failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                               f"{proc.stderr[-2000:]}")
-        if not (before or cross_cpu.state()["slow"]):
-            break
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"standalone {lib} loop failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-2000:]}")
+    result, _, _ = cross_cpu.bracketed(job, tries)
     return {int(k): {"time": statistics.median(v["time"]), "cpu": statistics.median(v["cpu"]),
                      "best": min(v["time"])} for k, v in result.items()}
 

@@ -108,14 +108,10 @@ def measure(ranks: Sequence[int], iters: int = 7, tries: int = 3) -> Dict[int, D
     marked)."""
     out = {}
     for n in ranks:
-        for attempt in range(1, tries + 1):
-            before = cross_cpu.state()
-            res = run_ranks(bench, n, SIZES, ALGOS, iters, timeout=600, env={"PYCOLL_TUNER_CACHE": "off"})[0]
-            after = cross_cpu.state()
-            res["machine"] = [before, after]
-            res["slow_state"], res["attempt"] = before["slow"] or after["slow"], attempt
-            if not res["slow_state"]:
-                break
+        res, checks, attempt = cross_cpu.bracketed(
+            lambda: run_ranks(bench, n, SIZES, ALGOS, iters, timeout=600, env={"PYCOLL_TUNER_CACHE": "off"})[0],
+            tries)
+        res.update(machine=checks, slow_state=any(c["slow"] for c in checks), attempt=attempt)
         out[n] = res
     return out
 

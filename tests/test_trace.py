@@ -216,7 +216,7 @@ def _dump_while_blocked(comm, folder: str) -> tuple:
     from pycoll.trace import recorder
     x = np.ones(4, np.float32)
     comm.allreduce(x)
-    first = os.path.join(folder, f"during{comm.rank}.json")
+    first = os.path.join(folder, "during0.json")  # rank 0's dump while it is blocked
     if comm.rank == 0:
         main = threading.main_thread().ident
 
@@ -235,7 +235,7 @@ def _dump_while_blocked(comm, folder: str) -> tuple:
         comm.allreduce(x)  # the blocked call
         thread.join()
     else:
-        _wait(lambda: os.path.exists(first.replace("during1", "during0")), 30)
+        _wait(lambda: os.path.exists(first), 30)
         comm.allreduce(x)
     after = recorder.dump(os.path.join(folder, f"after{comm.rank}.json"))
     return (json.loads(Path(first).read_text()) if comm.rank == 0 else None), json.loads(Path(after).read_text())

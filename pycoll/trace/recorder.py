@@ -153,7 +153,7 @@ class Recorder:
             self._store(e)
             self.fail(e, error)
             raise
-        try:  # the user's frame is 3 up: this, Communicator._run, the collective
+        try:  # _site() inlined (the hot path): the user's frame is 3 up: this, Communicator._run, the collective
             f: Any = _getframe(3)
         except ValueError:  # a thread that C++ started (torch's autograd engine running DDP's hook)
             f = None
@@ -247,8 +247,8 @@ class Recorder:
         for top in list(sys._current_frames().values()):
             f = top
             while f is not None:
-                if f.f_code is _CALL_CODE and f.f_locals.get("self") is self and "t" in f.f_locals:
-                    v = f.f_locals
+                v = f.f_locals if f.f_code is _CALL_CODE else None  # (f_locals builds a dict: once)
+                if v is not None and v.get("self") is self and "t" in v:
                     e = [v["seq"], v["call"], v["fingerprint"], v["algo"], STARTED, v["t"], v["t"], 0.0, None, 0,
                          None, None]
                     user = _first_outside(f.f_back)
