@@ -2,33 +2,37 @@
 
     pycoll run -n 2 python examples/async_overlap.py
 
-Each rank times (best of a few tries, every try starting at a barrier) the allreduce alone, the
-work alone, one after the other, and overlapped (launch, work, Work.wait()), for two kinds of work:
+Each rank times (best of a few tries, every try starting at a barrier, the variants taking turns) the
+allreduce alone, the work alone, one after the other, and overlapped (launch, work, Work.wait()), for
+two kinds of work:
 
 * numpy: elementwise math on the CPU. It releases the GIL, so pycoll's progress thread can run
   beside it, but only if a core is free: with fewer cores than busy threads there is little to win;
 * off-CPU: time.sleep, standing in for a GPU kernel or I/O: the CPU is free and the allreduce hides.
 """
 import time
-from typing import Callable
+from typing import Callable, List
 
 import numpy as np
 
 import pycoll
 
 ELEMENTS = 1 << 23  # 32 MiB of float32 to allreduce
-TRIES = 5
+TRIES = 9
 
 
-def best(comm: pycoll.Communicator, fn: Callable[[], None]) -> float:
-    """Fastest of TRIES runs of fn(), in seconds, each started with all ranks in step."""
-    times = []
+def best(comm: pycoll.Communicator, *fns: Callable[[], None]) -> List[float]:
+    """Fastest of TRIES runs of each fn(), in seconds, each run started with all ranks in step. The
+    functions take turns, so a moment of load elsewhere on the machine slows a try of each, not
+    every try of one."""
+    times: List[List[float]] = [[] for _ in fns]
     for _ in range(TRIES):
-        comm.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for fn, spent in zip(fns, times):
+            comm.barrier()
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [min(spent) for spent in times]
 
 
 def agree(comm: pycoll.Communicator, value: float) -> float:
@@ -53,17 +57,14 @@ def main() -> None:
                 handle.wait()
             return run
 
-        t_comm = best(comm, allreduce)
-        one_pass = best(comm, lambda: np.sin(scratch, out=scratch))
+        t_comm, one_pass = best(comm, allreduce, lambda: np.sin(scratch, out=scratch))
         passes = int(agree(comm, max(1, round(t_comm / one_pass))))
         nap = agree(comm, t_comm)
         works = {"numpy": lambda: [np.sin(scratch, out=scratch) for _ in range(passes)],
                  "off-CPU": lambda: time.sleep(nap)}
         expected = comm.size * (comm.size + 1) / 2
         for name, work in works.items():
-            t_work = best(comm, work)
-            t_seq = best(comm, lambda: (allreduce(), work()))
-            t_overlap = best(comm, overlap(work))
+            t_work, t_seq, t_overlap = best(comm, work, lambda: (allreduce(), work()), overlap(work))
             ok = bool(np.all(grad == expected))
             print(f"rank {comm.rank}/{comm.size} {name} work: allreduce {grad.nbytes >> 20} MiB "
                   f"{t_comm * 1e3:.1f} ms, work {t_work * 1e3:.1f} ms, one after the other {t_seq * 1e3:.1f} ms, "
