@@ -95,8 +95,14 @@ def launch(name: str, n: int, bind: str) -> Job:
     # each job its own Open MPI session folder: mpiruns started together race to create the shared
     # /tmp/ompi.<host>.<uid>, and the loser ends with "mkdir ... File exists"
     session = tempfile.mkdtemp(prefix="pycoll-bench-ompi-")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env=dict(job_env(), OMPI_MCA_orte_tmpdir_base=session))
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=dict(job_env(), OMPI_MCA_orte_tmpdir_base=session))
+    except BaseException:  # no job to end later: its folder, listener and log go now
+        shutil.rmtree(session, ignore_errors=True)
+        listener.close()
+        log.close()
+        raise
     return Job(name, lib, proc, log, listener, session_dir=session)
 
 
@@ -232,7 +238,7 @@ def rows_of(measured: Dict[int, Dict[str, Any]], names: List[str], n: int) -> Li
         for name in names:
             row = {"size": nbytes, "library": name, "ranks": n, **base[name],
                    **{k: cells[name][k] for k in ("wrong", "offset", "algo", "iters")},
-                   "rounds": len(cells[name]["rounds"]),
+                   "rounds": len(cells[name]["rounds"]), "round_us": [r["time"] * 1e6 for r in cells[name]["rounds"]],
                    "busbw": nbytes / (base[name]["time_us"] * 1e-6) / 1e9 * 2 * (n - 1) / n}
             row["ratio"] = {p: base[name]["time_us"] / base[p]["time_us"] for p in ours}
             row["round_ratios"] = {p: [a["time"] / b["time"] for a, b in zip(cells[name]["rounds"], cells[p]["rounds"])]
