@@ -306,6 +306,7 @@ def test_peer_columns_agree_with_standalone_loops():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import standalone_peers
     rows = standalone_peers.agreement(2, [8, 64 << 10, 1 << 20, 16 << 20], ["mpi", "mpi-tcp", "gloo"], 8, 3, 0.1)
+    print(standalone_peers.markdown(rows, 0.15))  # shown with -s, or in the failure's captured output
     off = [(r["peer"], r["size"], round(r["ratio"], 2)) for r in rows if abs(r["ratio"] - 1) > 0.15]
     assert not off, (f"bench/standalone medians off by more than 15% (load average {os.getloadavg()}) at {off}\n"
                      + standalone_peers.markdown(rows, 0.15))
