@@ -91,6 +91,14 @@ def _flag(text: str) -> bool:
 
 
 TEXT = Kind(str, "text")
+def _congestion(text: str) -> str:
+    """auto, system, or a congestion control's name as the kernel spells them (lower case, digits, _)."""
+    name = text.strip().lower()
+    if not re.fullmatch(r"[a-z0-9_]{1,15}", name):
+        raise ValueError(text)
+    return name
+
+
 PATH = Kind(os.path.expanduser, "a path")
 HEX = Kind(bytes.fromhex, "hex digits")
 FLAG = Kind(_flag, "0 or 1")
@@ -174,6 +182,12 @@ _VARS = [
         "host; the tuner's probe times one stream against 4 and cuts over as many as fill the link "
         "once it carries 1.5 streams' worth, else over one (also without a probe); a number: that "
         "many to every rank, all used (every rank must set the same)"),
+    Var("PYCOLL_TCP_CC", Kind(_congestion, "auto, system, or a congestion control the kernel has (cubic, reno, ...)"),
+        "auto",
+        "TCP congestion control of the tcp bulk streams to ranks on other hosts. `auto`: the kernel's default, "
+        "unless that is bbr (its first version ignores loss: a collective's flows at once into a shallow-"
+        "buffered link overrun it, retransmit and stall), then cubic, or reno where cubic is not permitted; "
+        "`system`: the kernel's default always; a name: that one (an error if the kernel refuses it)"),
     Var("PYCOLL_TCP_STRIPE_MIN", size(1), "512K",
         "smallest part a tcp bulk payload is cut into over several streams (`PYCOLL_NSOCKS`; parts are whole "
         "4 KiB pages but the last): smaller "

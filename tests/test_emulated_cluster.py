@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from netns_cluster import Cluster, unavailable
+from test_tcp_congestion import expected_auto
 from pycoll import config
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"emulated cluster: {unavailable()}")
@@ -45,7 +47,9 @@ def detect(comm: Any) -> Dict[str, Any]:
     return {"members": comm.topology.members, "links": [comm.topology.link(comm.rank, p) for p in range(comm.size)],
             "transport": comm.transport.name, "nics": [n.name for n in comm.topology.ranks[comm.rank].nics],
             "allreduce_ok": bool(np.array_equal(x, want)),
-            "same_host_streams": comm.transport._tcp._bulk.local}  # the tcp part serves other hosts only
+            "same_host_streams": comm.transport._tcp._bulk.local,  # the tcp part serves other hosts only
+            "congestion": sorted({s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+                                  for socks in comm.transport._tcp._bulk.socks.values() for s in socks})}
 
 
 @pytest.mark.timeout(120)
@@ -58,6 +62,7 @@ def test_detection_finds_the_namespaced_hosts(tmp_path):
         assert info["links"] == ["X" if p == r else ("NODE" if p % 2 == r % 2 else "NET") for p in range(4)]
         assert info["transport"] == "auto(shm+tcp)" and info["nics"] == ["eth0"] and info["allreduce_ok"]
         assert info["same_host_streams"] == []  # streams over a NIC keep the kernel's buffer autotuning
+        assert info["congestion"] == [expected_auto(privileged=True)]  # PYCOLL_TCP_CC=auto: never bbr
 
 
 @pytest.mark.timeout(60)

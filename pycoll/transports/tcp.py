@@ -139,7 +139,8 @@ class TcpTransport(Transport):
         self._match = threading.Lock()         # guards self.matcher
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"),
-                               on_broken=self.matcher.refuse, stripe_min=config.get("PYCOLL_TCP_STRIPE_MIN"))
+                               on_broken=self.matcher.refuse, stripe_min=config.get("PYCOLL_TCP_STRIPE_MIN"),
+                               congestion=config.get("PYCOLL_TCP_CC"))
         self._striping = _Striping(self._bulk, self._nsocks == "auto")
         self._bulk_polled: Dict[Tuple[int, int], int] = {}  # (peer, stream) -> poll flags it is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
