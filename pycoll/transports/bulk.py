@@ -47,6 +47,10 @@ def apply_congestion(sock: socket.socket, wanted: str) -> str:
     at once into a shallow-buffered link keep overrunning it (emulated 4 hosts x 2 ranks, 100 Mbit/s,
     8 MiB allreduce: 3,000-12,000 retransmitted segments and RTO stalls per 10 calls, 1.14-1.39x
     the link-rate bound; with cubic 1.01-1.02x). An explicit name the kernel refuses is an error."""
+    if not hasattr(socket, "TCP_CONGESTION"):  # a kernel with no per-socket choice (not Linux)
+        if wanted in ("auto", "system"):
+            return ""
+        raise EnvError(f"PYCOLL_TCP_CC={wanted}: this platform cannot set a stream's congestion control")
     current = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
     if wanted == "system" or (wanted == "auto" and current != "bbr"):
         return current
