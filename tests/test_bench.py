@@ -297,10 +297,10 @@ def test_agreement_judges_the_ratio_over_pairs_of_rounds():
 def test_peer_columns_agree_with_standalone_loops():
     """The bench's Open MPI, Open MPI-over-TCP and Gloo times (N=2) are within 15% of plain mpi4py and
     torch loops run alone under the same mpirun line, alternating with the bench: the median ratio over
-    every pair of a bench round and a standalone round (24 rounds of 8 repeats a side). Timing on a shared machine:
-    load that changes between a bench run and the next loop moves one and not the other, so this can
-    miss on a loaded machine without the bench being wrong (the failure prints every repeat's figure
-    to judge by)."""
+    every pair of a bench round and a standalone round (8 repeats of 3 rounds a side). Timing on a
+    shared machine: load that changes between a bench run and the next loop moves one and not the
+    other, so this can miss on a loaded machine without the bench being wrong (the failure prints
+    every repeat's figure to judge by)."""
     pytest.importorskip("mpi4py")
     pytest.importorskip("torch")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -21,6 +20,7 @@ import pytest
 from netns_cluster import Cluster, unavailable
 from test_tcp_congestion import expected_auto
 from pycoll import config
+from pycoll.transports.bulk import congestion_of
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"emulated cluster: {unavailable()}")
 
@@ -48,8 +48,8 @@ def detect(comm: Any) -> Dict[str, Any]:
             "transport": comm.transport.name, "nics": [n.name for n in comm.topology.ranks[comm.rank].nics],
             "allreduce_ok": bool(np.array_equal(x, want)),
             "same_host_streams": comm.transport._tcp._bulk.local,  # the tcp part serves other hosts only
-            "congestion": sorted({s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
-                                  for socks in comm.transport._tcp._bulk.socks.values() for s in socks})}
+            "congestion": sorted({congestion_of(s) for socks in comm.transport._tcp._bulk.socks.values()
+                                  for s in socks})}
 
 
 @pytest.mark.timeout(120)

@@ -9,7 +9,8 @@ import pytest
 
 from pycoll import config
 from pycoll.errors import EnvError
-from pycoll.transports.bulk import apply_congestion
+from pycoll.transports.bulk import apply_congestion, congestion_of
+
 
 def _proc(name: str) -> str:
     with open(f"/proc/sys/net/ipv4/{name}") as fh:
@@ -36,15 +37,11 @@ def stream():
         peer.close()
 
 
-def _in_use(sock: socket.socket) -> str:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
-
-
 def test_system_auto_and_a_name(stream):
     default = _proc("tcp_congestion_control")
-    assert apply_congestion(stream, "system") == default == _in_use(stream)
-    assert apply_congestion(stream, "auto") == expected_auto(os.geteuid() == 0) == _in_use(stream)
-    assert apply_congestion(stream, "reno") == "reno" == _in_use(stream)
+    assert apply_congestion(stream, "system") == default == congestion_of(stream)
+    assert apply_congestion(stream, "auto") == expected_auto(os.geteuid() == 0) == congestion_of(stream)
+    assert apply_congestion(stream, "reno") == "reno" == congestion_of(stream)
     assert apply_congestion(stream, "auto") == "reno"  # not bbr: left alone
 
 

@@ -41,6 +41,11 @@ def same_host(sock: socket.socket) -> bool:
     return local == peer or ipaddress.ip_address(peer).is_loopback
 
 
+def congestion_of(sock: socket.socket) -> str:
+    """The TCP congestion control a stream uses now (Linux)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
 def apply_congestion(sock: socket.socket, wanted: str) -> str:
     """Give a stream to another host the congestion control PYCOLL_TCP_CC asks for; returns the one
     in use. `auto` replaces only bbr, whose first version ignores loss: a collective's several flows
@@ -51,7 +56,7 @@ def apply_congestion(sock: socket.socket, wanted: str) -> str:
         if wanted in ("auto", "system"):
             return ""
         raise EnvError(f"PYCOLL_TCP_CC={wanted}: this platform cannot set a stream's congestion control")
-    current = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+    current = congestion_of(sock)
     if wanted == "system" or (wanted == "auto" and current != "bbr"):
         return current
     choices = ("cubic", "reno") if wanted == "auto" else (wanted,)
@@ -64,8 +69,8 @@ def apply_congestion(sock: socket.socket, wanted: str) -> str:
     if wanted == "auto":
         return current
     raise EnvError(f"PYCOLL_TCP_CC={wanted}: the kernel refused it for a stream to {sock.getpeername()[0]} "
-                     f"({refused.strerror}); see /proc/sys/net/ipv4/tcp_available_congestion_control (and "
-                     f"tcp_allowed_congestion_control, for a user without CAP_NET_ADMIN), or set auto / system")
+                   f"({refused.strerror}); see /proc/sys/net/ipv4/tcp_available_congestion_control (and "
+                   f"tcp_allowed_congestion_control, for a user without CAP_NET_ADMIN), or set auto / system")
 
 
 class Layout(NamedTuple):
