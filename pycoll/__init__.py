@@ -5,6 +5,7 @@ from .debug import MismatchError
 from .errors import (EnvError, PartitionError, PeerError, ProtocolError, PycollError, RevokedError, StoreError,
                      TimeoutError)
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, ReduceOp
+from .trace.recorder import mark_step
 from .work import Work
 from .world import (allgather, allgatherv, allreduce, alltoall, alltoallv, barrier, broadcast,
                     default_comm, gather, init, recv, reduce, reduce_scatter, scatter, send)
@@ -16,5 +17,5 @@ __all__ = [
     "RevokedError", "PartitionError",
     "TimeoutError", "ReduceOp", "Work", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
     "init", "default_comm", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
-    "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv",
+    "allgatherv", "alltoall", "alltoallv", "gather", "scatter", "barrier", "send", "recv", "mark_step",
 ]

@@ -54,6 +54,7 @@ LIVE_BYTES = LIVE_HEADER.size + LIVE_SLOTS * LIVE_SLOT_BYTES
 MAX_DUMP_COMMS = 64  # a dump holds at most this many communicators (the most recently used)
 MAX_TEXT = 600  # error messages are cut to this many characters in a dump
 MAX_FRAMES = 24  # stack frames kept per thread in a dump
+MAX_MARKS = 4096  # step marks kept (a dump holds the newest this many)
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # pycoll's own applications (the trainer, the bench's loops) count as user code: their lines are the call sites
@@ -62,6 +63,26 @@ _internal: Dict[str, bool] = {}  # code file name -> inside pycoll (or torch.dis
 _time = time.time
 _getframe = sys._getframe
 _user_code: Any = None  # the code of the last call site found: checked first
+_marks: List[float] = [0.0] * MAX_MARKS  # when step k ended, at [(k - 1) % MAX_MARKS]
+_steps = 0  # steps marked so far in this process
+
+
+def mark_step() -> int:
+    """Mark the end of a training step (or of one generated token) in every flight recorder of this
+    process and return its number (1, 2, ...). Dumps keep the newest MAX_MARKS marks, so a trace's
+    calls can be told apart by step (`pycoll trace DIR --traffic`). One list store: cheap enough for
+    every step. Call it from one thread (the training loop)."""
+    global _steps
+    n = _steps
+    _marks[n % MAX_MARKS] = _time()
+    _steps = n + 1
+    return n + 1
+
+
+def marks() -> List[Tuple[int, float]]:
+    """The kept step marks, oldest first: (step number, time it ended)."""
+    n = _steps
+    return [(k + 1, _marks[k % MAX_MARKS]) for k in range(max(0, n - MAX_MARKS), n)]
 
 
 def _is_internal(filename: str) -> bool:
@@ -443,6 +464,7 @@ class _Process:
                 "stack": stack if stack is not None else _frames(frame),
                 "threads": {threads.get(ident, str(ident)): at for ident, at in
                             ((i, _user_frame(f)) for i, f in sys._current_frames().items()) if at},
+                "steps": _steps, "marks": [[k, t] for k, t in marks()],
                 "comms": [r.describe() for r in recs]}
         tmp = f"{path}.{os.getpid()}.{next(self.dumps)}.tmp"  # unique: a signal may dump inside a dump
         try:
