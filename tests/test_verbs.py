@@ -4,7 +4,8 @@ Where no RDMA device is usable (CI), only the skip reason and PYCOLL_TRANSPORT=v
 checked, and every device test skips saying why. Inside the soft-RoCE VM (tests/rdma/run-vm.sh)
 the device tests run for real: p2p of every size class, flow control, the MR cache, every
 collective, and a rank killed mid-transfer. test_soft_roce_vm boots that VM from here
-(opt-in: slow, and only with PYCOLL_RDMA_VM=1; .ci/run-rdma-vm sets it).
+(slow, and only with PYCOLL_RDMA_VM=1: .ci/run-rdma-vm sets it, and .ci/run runs that stage).
+A test that asserts a count says in its message what made each one.
 """
 import os
 import signal
@@ -80,8 +81,12 @@ def _p2p_every_size(comm):
 @needs_device
 @pytest.mark.timeout(300)
 def test_p2p_every_size_both_ways():
-    for rank_result in run_ranks(_p2p_every_size, 2, env=VERBS, timeout=280):
-        assert rank_result and all(ok for _, ok in rank_result), rank_result
+    sizes = _sizes()
+    for rank, got in enumerate(run_ranks(_p2p_every_size, 2, env=VERBS, timeout=280)):
+        assert [n for n, _ in got] == sizes, (f"rank {rank} received {len(got)} messages; expected {len(sizes)}, "
+                                              f"one per size class sent by the other rank ({sizes} bytes)")
+        bad = [n for n, ok in got if not ok]
+        assert not bad, f"rank {rank}: the messages of {bad} bytes arrived with other contents than were sent"
 
 
 def _unexpected_flood(comm):
@@ -96,23 +101,30 @@ def _unexpected_flood(comm):
     sends = [t.isend(byte_view(x), peer, MsgKey(77, 0, tag)) for tag, x in enumerate(small)]
     sends += [t.isend(byte_view(x), peer, MsgKey(77, 1, k)) for k, x in enumerate(big)]
     time.sleep(1.0)
-    ok = True
+    got = {"rendezvous": [], "eager": []}  # per message received: its tag and whether it held what was sent
     for k in reversed(range(6)):
         buf = np.empty(e + 100 * k, np.uint8)
         t.wait([t.irecv(byte_view(buf), peer, MsgKey(77, 1, k))], 60, "flood")
-        ok &= bool((buf == k + peer).all())
+        got["rendezvous"].append((k, bool((buf == k + peer).all())))
     for tag in reversed(range(300)):
         buf = np.empty(50, np.int32)
         t.wait([t.irecv(byte_view(buf), peer, MsgKey(77, 0, tag))], 60, "flood")
-        ok &= bool((buf == tag + peer).all())
+        got["eager"].append((tag, bool((buf == tag + peer).all())))
     t.wait(sends, 60, "flood sends")
-    return ok
+    return got, sum(r.done for r in sends)
 
 
 @needs_device
 @pytest.mark.timeout(300)
 def test_flow_control_with_both_sides_flooding():
-    assert run_ranks(_unexpected_flood, 2, env=VERBS, timeout=280) == [True, True]
+    for rank, (got, sent) in enumerate(run_ranks(_unexpected_flood, 2, env=VERBS, timeout=280)):
+        assert sent == 306, (f"rank {rank}: {sent} of its 306 sends completed (300 eager sends of 200 bytes, "
+                             "one per tag 0-299, and 6 rendezvous sends just above the eager limit)")
+        for kind, want in (("eager", 300), ("rendezvous", 6)):
+            assert len(got[kind]) == want, (f"rank {rank} received {len(got[kind])} {kind} messages; expected "
+                                            f"{want}, one per {kind} send of the other rank")
+            bad = [tag for tag, ok in got[kind] if not ok]
+            assert not bad, f"rank {rank}: the {kind} messages of tags {bad} held other contents than were sent"
 
 
 def _ordering_and_mismatch(comm):
@@ -153,16 +165,21 @@ def test_fifo_within_a_tag_and_size_mismatch_is_a_protocol_error():
 
 
 def _mr_cache(comm):
+    """Registrations made by five rendezvous transfers of one 4 MiB array, then by a new array.
+    Counted from this function's start: the communicator's init may have registered buffers of its
+    own (the tuner's calibration ping-pongs a 1 MiB array, a rendezvous-size message, unless a
+    cached measurement spares it), and those are freed before this runs."""
     import gc
     mrs = comm.transport._mrs
+    at_start = mrs.registrations
     x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: rendezvous
     for i in range(5):
         if comm.rank == 0:
             comm.send(x, 1, tag=i)
         else:
             comm.recv(x, 0, tag=i)
-    after_reuse = mrs.registrations
-    held = len(mrs._entries)
+    after_reuse = mrs.registrations - at_start
+    held = len(mrs._entries)  # the first acquire reaped whatever init had registered and freed
     del x
     gc.collect()
     y = np.ones(1 << 20, np.float32)  # a new buffer needs a new registration, never a stale hit
@@ -170,15 +187,30 @@ def _mr_cache(comm):
         comm.send(y, 1, tag=99)
     else:
         comm.recv(y, 0, tag=99)
-    return after_reuse, held, mrs.registrations, len(mrs._entries), float(y.sum())
+    return at_start, after_reuse, held, mrs.registrations - at_start, len(mrs._entries), float(y.sum())
 
 
 @needs_device
 @pytest.mark.timeout(200)
-def test_mr_cache_reuses_registrations_and_drops_freed_buffers():
-    for after_reuse, held, total, held_after, total_y in run_ranks(_mr_cache, 2, env=VERBS, timeout=180):
-        assert after_reuse == 1 and held == 1, (after_reuse, held)
-        assert total == 2 and held_after == 1, (total, held_after)
+@pytest.mark.parametrize("tuner", ["probe", "static"])
+def test_mr_cache_reuses_registrations_and_drops_freed_buffers(tuner):
+    env = {**VERBS, "PYCOLL_TUNER": tuner, "PYCOLL_TUNER_CACHE": "off"}
+    for rank, (at_start, after_reuse, held, total, held_after, total_y) in enumerate(
+            run_ranks(_mr_cache, 2, env=env, timeout=180)):
+        init = ("the calibration's 1 MiB ping-pong array (registered at init, freed since)"
+                if tuner == "probe" else "nothing (PYCOLL_TUNER=static: no calibration)")
+        assert at_start == (1 if tuner == "probe" else 0), \
+            f"rank {rank}: {at_start} registrations before the test's transfers; expected one per buffer of {init}"
+        assert after_reuse == 1, (f"rank {rank}: five {'sends' if rank == 0 else 'receives'} of one 4 MiB array "
+                                  f"made {after_reuse} registrations; expected 1 (the first transfer's, reused "
+                                  "by the other four)")
+        assert held == 1, (f"rank {rank}: {held} registrations held after the five transfers; expected 1 (the "
+                           f"4 MiB array's; {init} is dropped once freed)")
+        assert total == 2, (f"rank {rank}: {total} registrations after a transfer of a new array; expected 2 "
+                            "(the first array's, then the new array's: a freed array's registration is never "
+                            "reused for another at the same address)")
+        assert held_after == 1, (f"rank {rank}: {held_after} registrations held at the end; expected 1 (the new "
+                                 "array's; the freed first array's is deregistered)")
         assert total_y == (1 << 20)
 
 
@@ -262,11 +294,13 @@ def _ft_on_verbs(comm):
 @pytest.mark.timeout(120)
 def test_verbs_communicator_refuses_fault_tolerance_and_still_works():
     for refused, total in run_ranks(_ft_on_verbs, 2, env=VERBS, timeout=100):
-        assert len(refused) == 3 and all("verbs transport cannot survive a dead rank" in e for e in refused), refused
-        assert total == 2.0
+        assert len(refused) == 3, (f"{len(refused)} of revoke, agree and shrink were refused; expected all 3 "
+                                   f"(one PycollError each): {refused}")
+        assert all("verbs transport cannot survive a dead rank" in e for e in refused), refused
+        assert total == 2.0, f"an allreduce of ones over 2 ranks gave {total} after the refusals; expected 2"
 
 
-# -- the VM itself (opt-in) ---------------------------------------------------------------------
+# -- the VM itself (CI's RDMA stage) ------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not config.get("PYCOLL_RDMA_VM"),
                     reason="boots a soft-RoCE VM for many minutes: set PYCOLL_RDMA_VM=1 or run .ci/run-rdma-vm")
