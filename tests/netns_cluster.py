@@ -122,12 +122,18 @@ class Cluster:
 
     def __init__(self, hosts: int, rate_mbit: Optional[float] = None, burst_kib: int = 256,
                  latency_ms: Optional[float] = None,
-                 sysctls: Optional[Dict[str, str]] = None, flow_mbit: Optional[float] = None) -> None:
+                 sysctls: Optional[Dict[str, str]] = None, flow_mbit: Optional[float] = None,
+                 delay_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0, reorder: float = 0.0,
+                 wire_seed: int = 0) -> None:
         if hosts < 1:
             raise ValueError(f"a cluster needs at least one host, got {hosts}")
         if flow_mbit and not rate_mbit:
             raise ValueError("a per-flow cap (flow_mbit) needs a link rate (rate_mbit)")
         self.flow_mbit = flow_mbit
+        # host-to-host impairments through a userspace wire (netns_wire.py): this kernel has no netem
+        self.impairments = {"delay_ms": delay_ms, "jitter_ms": jitter_ms, "loss": loss, "reorder": reorder}
+        self.wire_seed = wire_seed
+        self.wire: Any = None
         from pycoll import config  # not at the top: _worker must report even a failing pycoll import
 
         self.nhosts, self.rate_mbit, self.burst_kib = hosts, rate_mbit, burst_kib
@@ -186,6 +192,11 @@ class Cluster:
             if self.rate_mbit:
                 self._shape(["tc"], veth)                                 # into the host
                 self._shape(["ip", "netns", "exec", ns, "tc"], "eth0")    # out of the host
+        if any(self.impairments.values()) and self.nhosts > 1:
+            from netns_wire import Wire
+            self.wire = Wire(self.namespaces, self.addresses, self.bridge[3:], seed=self.wire_seed,
+                             **self.impairments)
+            self.wire.start()
 
     def _shape(self, tc: List[str], dev: str) -> None:
         if self.flow_mbit:
@@ -220,6 +231,9 @@ class Cluster:
                 p.kill()
             p.wait()
         self._procs.clear()
+        if self.wire is not None:
+            self.wire.stop()
+            self.wire = None
         if self._built:
             for ns in self.namespaces:
                 pids = _ip("netns", "pids", ns, check=False).stdout.split()
@@ -322,6 +336,44 @@ class Cluster:
             raise ClusterError(f"{len(stories)} rank(s) failed in the emulated cluster\n" + "\n".join(stories))
         return values
 
+
+    def launch(self, argv: Sequence[str], ppn: int, hosts: Optional[Sequence[int]] = None,
+               env: Optional[Dict[str, str]] = None, timeout: float = 300.0) -> List[str]:
+        """Run `pycoll run -n ppn --nnodes H ... argv` on each of `hosts` (default all), as a user
+        starts a multi-node job (node 0 in the first host serves the stores; torch's MASTER_ADDR is
+        its address); every node's output, in host order. ClusterError with the outputs if any node
+        fails or the job outlives `timeout`."""
+        hosts = list(range(self.nhosts) if hosts is None else hosts)
+        port = 21000 + secrets.randbelow(20000)
+        node_env = dict(os.environ, **(env or {}), PYCOLL_JOB_TOKEN=secrets.token_hex(16))
+        logs = [os.path.join(self.workdir, f"node{i}-{secrets.token_hex(4)}.log") for i in range(len(hosts))]
+        procs = [self.popen(h, [sys.executable, "-m", "pycoll", "run", "-n", str(ppn), "--nnodes", str(len(hosts)),
+                                "--node-rank", str(i), "--master-addr", self.addresses[hosts[0]],
+                                "--master-port", str(port), *argv], node_env, logs[i])
+                 for i, h in enumerate(hosts)]
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(2.0)  # let the others report their side, then stop them
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        outputs = []
+        for path in logs:
+            with open(path) as fh:
+                outputs.append(fh.read())
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            story = "\n".join(f"--- node {i} (host {h}, exit code {c}) ---\n{out[-4000:]}"
+                              for i, (h, c, out) in enumerate(zip(hosts, codes, outputs)))
+            raise ClusterError(f"`pycoll run {' '.join(argv)}` failed on the emulated cluster "
+                               f"(or ran past {timeout:g} s)\n{story}")
+        return outputs
 
 # -- what runs inside the namespaces ------------------------------------------------------------------
 def _worker(target: str, args: str, out: str) -> None:
