@@ -109,7 +109,8 @@ class Communicator:
         self._subgroups: set = set()  # (name, ranks) of the subgroups made here
         self._agreements = 0  # agreements run on it (ft.py numbers them)
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
-        self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group)  # flight recorder
+        self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group,  # flight recorder
+                                                   self.topology)
         self._chosen: Optional[Callable] = None  # the algorithm picked for the call about to _run
         self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 
@@ -159,7 +160,7 @@ class Communicator:
         self._check_open(collective)
         timeout = self.timeout if timeout is None else self._deadline(timeout, collective)
         if self._detail:
-            body = debug.checked(collective, fingerprint, body)
+            body = debug.checked(collective, fingerprint[:4], body)  # (alltoallv's 5th: the recorder's)
         rec, algo, self._chosen = self._recorder, self._chosen, None
         if not async_op and self._inflight == 0:  # runs now, on this thread (no lock: only queued calls
             ch = self.channel(collective, timeout)  # change _inflight, and a stale count just queues)
@@ -493,7 +494,7 @@ class Communicator:
         def body(ch: Channel) -> Any:
             fn(ch, flat(src), sc, sd, flat(dst), rc, rd)
             return result
-        return self._run("alltoallv", body, async_op, timeout, (src.dtype, None, None, None))
+        return self._run("alltoallv", body, async_op, timeout, (src.dtype, None, None, None, sc))
 
     def gather(self, x: Any, root: int = 0, out: Any = None, *, async_op: bool = False,
                timeout: Optional[float] = None) -> Any:
@@ -808,6 +809,8 @@ class Communicator:
         self._closed = True
         if self._worker is not None:
             self._worker.close()
+        if self._recorder is not None:  # the flight recorder's dump at the job's end
+            recorder.closing(self._recorder, self._owns_transport)
         if self.windows is not None:
             self.windows.close()
         if self._p2p_worker is not None:

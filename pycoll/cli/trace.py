@@ -1,4 +1,5 @@
-"""`pycoll trace DIR`: line up the flight recorder's dumps of a job and name the rank and call at fault."""
+"""`pycoll trace DIR`: line up the flight recorder's dumps of a job and name the rank and call at fault;
+`--traffic`: what each rank sent each other rank (trace/traffic.py)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import json
 import sys
 from typing import List
 
-from ..trace import analysis, chrome
+from ..trace import analysis, chrome, traffic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "print the first call where the ranks disagree and which rank is at fault. Exit 0 when "
                     "there is no disagreement, 1 when there is, 2 when DIR holds nothing to read.")
     p.add_argument("folder", metavar="DIR", help="the job's trace folder")
-    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    p.add_argument("--json", action="store_true", help="print the verdict (or the traffic report) as JSON")
+    p.add_argument("--traffic", action="store_true",
+                   help="instead: the bytes and messages each rank sent each other rank, within hosts and "
+                        "between them, per collective and per step marked with pycoll.mark_step() (the "
+                        "median step), and each rank's time inside communication per step")
     p.add_argument("--chrome", metavar="OUT.json",
                    help="also write every rank's recorded calls as a Chrome trace (open in Perfetto or "
                         "chrome://tracing): one track per rank and communicator")
@@ -38,9 +43,14 @@ def main(argv: List[str]) -> int:
         return 0 if lines else 2
     try:
         dumps, live = analysis.load(args.folder)
+        analysis.one_job(dumps)
+        report = traffic.traffic(dumps) if args.traffic else None
     except analysis.TraceError as e:
         print(f"pycoll trace: {e}", file=sys.stderr)
         return 2
+    if report is not None:
+        print(json.dumps(report, indent=1) if args.json else traffic.render(report, args.folder))
+        return 0
     verdict = analysis.analyse(dumps, live)
     if args.chrome:
         chrome.write(analysis.chrome_trace(dumps), args.chrome)

@@ -58,6 +58,38 @@ def load(folder: str) -> Tuple[Dict[int, dict], Dict[int, dict]]:
     return dumps, live
 
 
+# ranks of one job are alive together: their dumps' lifetimes overlap, within this much clock skew
+SKEW_S = 5.0
+
+
+def one_job(dumps: Dict[int, dict]) -> None:
+    """TraceError naming the ranks of each job when the dumps come from more than one job: by the job
+    identity the dumps carry (a hash of the job token, or a launcher's job id), and where a dump
+    has none, by lifetimes that never overlapped (the ranks of one job run at the same time)."""
+    jobs: Dict[str, List[int]] = {}
+    for r, d in sorted(dumps.items()):
+        if d.get("job"):
+            jobs.setdefault(d["job"], []).append(r)
+    if len(jobs) > 1:
+        named = "; ".join(f"ranks {_span(rs)} of job {job}" for job, rs in jobs.items())
+        raise TraceError(f"the dumps come from {len(jobs)} different jobs ({named}): a folder holds one job's "
+                         "dumps (give each job its own PYCOLL_TRACE_DIR, or remove the older dumps)")
+    lives = {r: (d["started"], d["time"]) for r, d in dumps.items() if d.get("started") and d.get("time")}
+    if len(lives) > 1 and not jobs:
+        late = max(lives, key=lambda r: lives[r][0])
+        early = min(lives, key=lambda r: lives[r][1])
+        if lives[late][0] > lives[early][1] + SKEW_S:
+            raise TraceError(f"the dumps come from different jobs: rank {early}'s process ended (dump at "
+                             f"{_clock(lives[early][1])}) before rank {late}'s began ({_clock(lives[late][0])}); "
+                             "a folder holds one job's dumps (give each job its own PYCOLL_TRACE_DIR, or "
+                             "remove the older dumps)")
+
+
+def _clock(t: float) -> str:
+    import time
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 def describe_call(e: Optional[dict]) -> str:
     """'allreduce (count 4, float32, op sum)' or 'recv from 1 (tag 0, count 4, float32)'."""
     if e is None:

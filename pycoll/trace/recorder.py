@@ -6,8 +6,12 @@ built anyway, the algorithm function, times, the user's code and instruction) in
 ring; while it runs, a dump finds it on its thread's stack. Queued (async) and point-to-point
 calls get a list that changes state as they go.
 Everything is turned into text only when a dump is written: when a pycoll error ends a call, on
-SIGUSR1 (the job goes on), on SIGTERM (then the process ends as it would have), and after an
-uncaught exception, each to PYCOLL_TRACE_DIR/rank<R>.json (written whole, then renamed).
+SIGUSR1 (the job goes on), on SIGTERM (then the process ends as it would have), after an
+uncaught exception, and when the job ends normally (its world communicator closes, or the process
+exits), each to PYCOLL_TRACE_DIR/rank<R>.json (written whole, then renamed). An ending dump never
+replaces one that a failure wrote. A dump also holds what `pycoll trace DIR --traffic` needs
+(trace/traffic.py): the job's identity, each communicator's hosts, each call's algorithm, and
+the step marks (mark_step()).
 
 With PYCOLL_TRACE_DIR set, each process also keeps a small memory-mapped file,
 PYCOLL_TRACE_DIR/rank<R>.live, holding per communicator the last call entered and completed.
@@ -16,6 +20,10 @@ that is how `pycoll run` detects a job that makes no progress and prints its liv
 """
 from __future__ import annotations
 
+import atexit
+import collections
+import functools
+import hashlib
 import itertools
 import json
 import mmap
@@ -135,11 +143,13 @@ def _line(code: Any, lasti: int) -> Optional[int]:
 class Recorder:
     """One communicator's ring of its last `capacity` calls (collectives and point-to-point)."""
 
-    __slots__ = ("name", "comm_id", "rank", "group", "capacity", "_ring", "_n", "_p2p", "_live", "_base",
-                 "__weakref__")
+    __slots__ = ("name", "comm_id", "rank", "group", "capacity", "topology", "_ring", "_n", "_p2p", "_live",
+                 "_base", "__weakref__")
 
-    def __init__(self, name: str, comm_id: int, rank: int, group: Sequence[int], capacity: int) -> None:
+    def __init__(self, name: str, comm_id: int, rank: int, group: Sequence[int], capacity: int,
+                 topology: Any = None) -> None:
         self.name, self.comm_id, self.rank, self.group = name, comm_id, rank, list(group)
+        self.topology = topology  # the communicator's pycoll.topology.Topology (its members' hosts)
         self.capacity = capacity
         self._ring: List[Optional[list]] = [None] * capacity
         self._n = 0  # entries ever recorded
@@ -235,7 +245,7 @@ class Recorder:
         if isinstance(error, (TimeoutError, PeerError)):
             where = None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])} in {e[FILE].co_name}"
             PROCESS.dump(f"{type(error).__name__} in {e[CALL]} (call {e[SEQ]} on {self.name})",
-                         where=where, error=e[ERROR])
+                         where=where, error=e[ERROR], failure=True)
 
     def traced(self, e: list, body: Any) -> Any:
         """`body(ch)` of a queued call, recording when it starts and how it ends."""
@@ -285,10 +295,22 @@ class Recorder:
         return e[T_ENTER] if e is not None else 0.0
 
     def describe(self) -> Dict[str, Any]:
-        """This communicator and its calls as JSON-ready data."""
-        return {"name": self.name, "id": f"{self.comm_id:#018x}", "rank": self.rank, "size": len(self.group),
-                "group": self.group, "capacity": self.capacity, "recorded": self._n,
-                "calls": [_entry_json(e) for e in self.entries()]}
+        """This communicator and its calls as JSON-ready data; `hosts` (and `racks`, where declared):
+        each member's host id as the communicator's topology has it."""
+        out = {"name": self.name, "id": f"{self.comm_id:#018x}", "rank": self.rank, "size": len(self.group),
+               "group": self.group, "capacity": self.capacity, "recorded": self._n}
+        topo = self.topology
+        if topo is not None and topo.size == len(self.group):
+            out["hosts"] = [topo.hosts[h] for h in topo.host_of]
+            if topo.racks:
+                out["racks"] = [info.rack for info in topo.ranks]
+        out["calls"] = [_entry_json(e) for e in self.entries()]
+        return out
+
+    def host(self) -> Optional[str]:
+        """This rank's host id as the topology has it (PYCOLL_HOSTID, PYCOLL_TOPO_FILE honoured)."""
+        topo = self.topology
+        return topo.hosts[topo.host_of[self.rank]] if topo is not None and topo.size == len(self.group) else None
 
 
 _CALL_CODE = Recorder.call.__code__
@@ -296,14 +318,19 @@ _CALL_CODE = Recorder.call.__code__
 
 def _entry_json(e: list) -> Dict[str, Any]:
     p2p = e[CALL] in P2P_CALLS
-    dtype, count, third, fourth = (tuple(e[FP]) + (None,) * 4)[:4] if e[FP] else (None,) * 4
+    dtype, count, third, fourth, fifth = (tuple(e[FP]) + (None,) * 5)[:5] if e[FP] else (None,) * 5
     out: Dict[str, Any] = {"seq": e[SEQ], "call": e[CALL], "p2p": p2p,
-                           "dtype": None if dtype is None else str(dtype), "count": _count(count)}
+                           "dtype": None if dtype is None else str(dtype), "count": _count(count),
+                           "itemsize": getattr(dtype, "itemsize", None)}
     if p2p:
         out.update(peer=third, tag=fourth)
     else:
         out.update(op=None if third is None else getattr(third, "value", str(third)), root=fourth,
                    algo=_algo_name(e[ALGO]))
+        if e[ALGO] is not None:
+            out.update(_algorithm(e[CALL], e[ALGO], dtype, count, fourth))
+        if fifth is not None:  # alltoallv: what this rank sends each peer
+            out["send_counts"] = [int(c) for c in fifth]
     out.update(state=STATES[e[STATE]], enter=e[T_ENTER], start=e[T_START], end=e[T_END] or None,
                site=None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])}")
     if e[PEERS] is not None:
@@ -322,6 +349,17 @@ def _count(count: Any) -> Any:
     except TypeError:
         return int(count)
     return counts if len(counts) <= 16 else {"total": sum(counts), "first": counts[:16]}
+
+
+def _algorithm(call: str, fn: Any, dtype: Any, count: Any, root: Any) -> Dict[str, Any]:
+    """{"algorithm": its name in pycoll.selection (ring, flat_ring, tree, binomial, ...)}, with
+    "registered": true for a call that reads registered buffers in place where it can, and for a
+    hierarchical one "phase": the algorithm its cross-host phase ran (trace/traffic.py)."""
+    from . import traffic  # (at dump time only: it imports the selection layer)
+    try:
+        return traffic.describe_algorithm(call, fn, dtype, count, root)
+    except Exception as e:  # a dump must not fail on an algorithm it cannot name
+        return {"algorithm": None, "algorithm_error": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
 
 
 def _algo_name(fn: Any) -> Optional[str]:
@@ -364,7 +402,12 @@ class _Process:
 
     def __init__(self) -> None:
         self.recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+        # closed communicators' recorders, kept for the dump at the job's end (the newest ones)
+        self.closed: "collections.deque[Recorder]" = collections.deque(maxlen=MAX_DUMP_COMMS)
         self.rank: Optional[int] = None
+        self.started = 0.0  # when the first communicator was made
+        self.failed = False  # a dump for a failure was written: an ending dump must not replace it
+        self.dumped_at: Optional[Tuple[int, int]] = None  # (calls, marks) when the last dump was written
         self.folder: Optional[str] = None
         self.live: Optional[memoryview] = None
         self.live_map: Optional[mmap.mmap] = None
@@ -373,16 +416,17 @@ class _Process:
         self.lock = threading.RLock()  # guards set-up and dump writing, never the hot path
         self.dumps = itertools.count()
 
-    def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int]) -> Optional[Recorder]:
+    def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int],
+                 topology: Any = None) -> Optional[Recorder]:
         """A Recorder for a new communicator (None with PYCOLL_TRACE_BUFFER=0); the first one fixes
         this process's rank and, with PYCOLL_TRACE_DIR, opens the live file and installs the hooks."""
         capacity = config.get("PYCOLL_TRACE_BUFFER")
         if capacity == 0:
             return None
-        rec = Recorder(name, comm_id, rank, group, capacity)
+        rec = Recorder(name, comm_id, rank, group, capacity, topology)
         with self.lock:
             if self.rank is None:
-                self.rank = group[rank]
+                self.rank, self.started = group[rank], _time()
             folder = config.get("PYCOLL_TRACE_DIR")
             if folder and self.folder is None:
                 self._open(folder)
@@ -396,6 +440,10 @@ class _Process:
     def _open(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
+        try:  # this rank's dump of an earlier job in the same folder would be taken for this job's
+            os.unlink(os.path.join(folder, f"rank{self.rank}.json"))
+        except OSError:
+            pass
         path = os.path.join(folder, f"rank{self.rank}.live")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -419,9 +467,10 @@ class _Process:
         rec._live, rec._base = self.live, base
 
     def _hook(self) -> None:
-        """Dump on SIGUSR1 (and go on), on SIGTERM (then end as SIGTERM would), and after an uncaught
-        exception. Signals only where nobody else handles them, and only from the main thread."""
+        """Dump on SIGUSR1 (and go on), on SIGTERM (then end as SIGTERM would), after an uncaught
+        exception, and at exit. Signals only where nobody else handles them, and only from the main thread."""
         self.hooked = True
+        atexit.register(self.ended, "process exit")
         if threading.current_thread() is threading.main_thread():
             for signum, handler in ((signal.SIGUSR1, self._on_usr1), (signal.SIGTERM, self._on_term)):
                 if signal.getsignal(signum) is signal.SIG_DFL:
@@ -435,7 +484,7 @@ class _Process:
                               if not _is_internal(fs.filename)), None)
                 self.dump(f"uncaught {kind.__name__}", stack=[f"{fs.filename}:{fs.lineno} in {fs.name}"
                                                              for fs in inner[-MAX_FRAMES:]],
-                          where=where, error=f"{kind.__name__}: {value}"[:MAX_TEXT])
+                          where=where, error=f"{kind.__name__}: {value}"[:MAX_TEXT], failure=True)
             previous(kind, value, tb)
         sys.excepthook = hook
 
@@ -443,22 +492,49 @@ class _Process:
         self.dump("SIGUSR1", frame=frame)
 
     def _on_term(self, signum: int, frame: Any) -> None:
-        self.dump("SIGTERM", frame=frame)
+        self.dump("SIGTERM", frame=frame, failure=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def closing(self, rec: Recorder, final: bool) -> None:
+        """Communicator `rec` closes: keep its calls for the ending dump, which is written now if
+        `final` (the communicator that owned the transport: the job's communication is over) or
+        if no other communicator of this process is open."""
+        with self.lock:
+            if rec not in self.closed:
+                self.closed.append(rec)
+            still_open = [r for r in list(self.recorders) if r not in self.closed]
+        if self.folder and (final or not still_open):
+            self.ended("communicators closed")
+
+    def ended(self, reason: str) -> Optional[str]:
+        """The dump at a normal end (at exit, or when the communicators close), unless a failure's
+        dump is there or nothing was recorded since the last dump."""
+        if self.failed or not self.folder or self.dumped_at == self._activity():
+            return None
+        return self.dump(f"job ended ({reason})", stack=[])
+
+    def _activity(self) -> Tuple[int, int]:
+        """(calls recorded, steps marked): what an ending dump would add to the last one."""
+        return sum(r._n + r._p2p for r in list(self.recorders)), _steps
+
     def dump(self, reason: str, *, frame: Any = None, stack: Optional[List[str]] = None, where: Optional[str] = None,
-             error: Optional[str] = None, path: Optional[str] = None) -> Optional[str]:
+             error: Optional[str] = None, path: Optional[str] = None, failure: bool = False) -> Optional[str]:
         """Write every communicator's ring to `path` (default PYCOLL_TRACE_DIR/rank<R>.json); return
-        the path, or None without a folder. `frame`: where the main thread is (a signal's frame)."""
+        the path, or None without a folder. `frame`: where the main thread is (a signal's frame);
+        `failure`: the dump of a failure (an error ended a call, an uncaught exception, SIGTERM)."""
         path = path or (os.path.join(self.folder, f"rank{self.rank}.json") if self.folder else None)
         if path is None or self.rank is None:  # no folder, or nothing recorded (PYCOLL_TRACE_BUFFER=0)
             return None
         if frame is None and stack is None:
             frame = sys._getframe(1)
         threads = {t.ident: t.name for t in threading.enumerate()}
-        recs = sorted(list(self.recorders), key=lambda r: r.last_time(), reverse=True)[:MAX_DUMP_COMMS]
+        activity = self._activity()
+        live = list(self.recorders)
+        recs = sorted(set(live) | set(self.closed), key=lambda r: r.last_time(), reverse=True)[:MAX_DUMP_COMMS]
+        host = next((h for h in (r.host() for r in sorted(live, key=lambda r: -len(r.group))) if h), None)
         data = {"pycoll_trace": FORMAT, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "host_id": host, "job": job_identity(), "started": self.started,
                 "time": _time(), "reason": reason, "error": error,
                 "where": where or (_user_frame(frame) if frame is not None else None),
                 "stack": stack if stack is not None else _frames(frame),
@@ -475,15 +551,48 @@ class _Process:
         except OSError as e:  # a full disk must not hide the error that asked for the dump
             print(f"pycoll: rank {self.rank}: cannot write the flight recorder's dump {path}: {e}", file=sys.stderr)
             return None
+        self.failed = self.failed or failure
+        self.dumped_at = activity
         return path
 
 
 PROCESS = _Process()
 
 
-def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int]) -> Optional[Recorder]:
-    """The Recorder of a new communicator, or None when PYCOLL_TRACE_BUFFER=0 turns recording off."""
-    return PROCESS.recorder(name, comm_id, rank, group)
+def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int],
+                     topology: Any = None) -> Optional[Recorder]:
+    """The Recorder of a new communicator (`topology`: its pycoll.topology.Topology, for the
+    members' hosts), or None when PYCOLL_TRACE_BUFFER=0 turns recording off."""
+    return PROCESS.recorder(name, comm_id, rank, group, topology)
+
+
+def closing(rec: Recorder, final: bool) -> None:
+    """Communicator of `rec` closes (`final`: it owned the transport); see _Process.closing."""
+    PROCESS.closing(rec, final)
+
+
+# where a job's identity comes from when no token is set: launchers' ids every rank of a job shares
+JOB_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
+
+
+@functools.lru_cache(maxsize=1)
+def job_identity() -> Optional[str]:
+    """What every rank of one job shares and another job does not, never a secret: a hash of the job
+    token (PYCOLL_JOB_TOKEN or _FILE, as `pycoll run` and the tests give it), else a launcher's job
+    id (torchrun --rdzv-id or --standalone, Slurm, Open MPI / PMIx); None when none is known."""
+    from ..bootstrap.token import env_token
+    try:
+        token = env_token()
+    except Exception:  # an unreadable token file: the job would not have started; no identity then
+        token = None
+    if token:
+        return "token-" + hashlib.sha256(b"pycoll-trace-job" + token).hexdigest()[:16]
+    for var in JOB_ID_VARIABLES:
+        value = os.environ.get(var)
+        if value and value != "none":
+            step = os.environ.get("SLURM_STEP_ID", "") if var == "SLURM_JOB_ID" else ""
+            return f"{var}={value}" + (f".{step}" if step else "")
+    return None
 
 
 def dump(path: Optional[str] = None, reason: str = "requested") -> Optional[str]:
