@@ -1,19 +1,21 @@
 """`pycoll info`: this machine's topology (host id, NUMA node, NICs, RDMA devices), the job's link
 matrix like `nvidia-smi topo -m`, and the tuner's table of predicted times per algorithm and size.
 
-Alone it describes this rank (`--hosts H --ppn L` models H hosts of L ranks, rank i on host i mod H);
-under a launcher (`pycoll run -n 4 pycoll info`) every rank joins, the tuner calibrates, and rank 0
-prints the whole job with the measured parameters and the algorithm each size would use.
+Alone (no launcher, or a launcher's job of one rank) it describes this rank, and since one rank has
+nothing to send, its table models this host with one rank per core (`--hosts H --ppn L`: H hosts of
+L ranks, rank i on host i mod H), saying so above the table; under a launcher (`pycoll run -n 4
+pycoll info`) every rank joins, the tuner calibrates, and rank 0 prints the whole job with the
+measured parameters and the algorithm each size would use.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..calibration import base_params
 from ..selection import Selector
-from ..topology import Topology, detect
+from ..topology import RankInfo, Topology, detect
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
 from ..tuner import MODELED, Tuner
 from .bench import parse_size
@@ -24,38 +26,69 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", default="8,1K,64K,1M,4M,16M,64M", help="message sizes of the tuner table")
     ap.add_argument("--collective", action="append", choices=sorted(MODELED),
                     help="limit the table to these collectives (repeatable)")
-    ap.add_argument("--hosts", type=int, default=0, help="model H hosts (standalone only)")
-    ap.add_argument("--ppn", type=int, default=1, help="ranks per host of the model")
+    ap.add_argument("--hosts", type=int, help="alone: model H hosts (default 1: this host)")
+    ap.add_argument("--ppn", type=int, help="alone: ranks per host of the model (default: one per core of "
+                                            "this host; 1 with --hosts)")
     return ap
 
 
-def render(topo: Topology, selector: Selector, sizes: List[int], collectives: List[str]) -> str:
-    """The matrix and the tuner table (the selector's pick marked `*`)."""
+def render(topo: Topology, selector: Selector, sizes: List[int], collectives: List[str], note: str = "") -> str:
+    """The matrix and the tuner table (the selector's pick marked `*`), `note` on the line above the table."""
     tuner = selector.tuner or Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)
     table = tuner.table(topo, sizes, collectives,
                         choose=lambda coll, s: selector.choose(coll, s, topo.size, topo=topo))
     static = "" if selector.tuner else "\n(PYCOLL_TUNER=static or PYCOLL_ALGO: `*` is the size rule's pick)"
-    return f"{topo.matrix()}\n\n{table}{static}"
+    above = f"{note}\n" if note else ""
+    return f"{topo.matrix()}\n\n{above}{table}{static}"
+
+
+def alone() -> bool:
+    """Whether this process is a job of one rank: no launcher (torchrun/pycoll run, mpirun, srun) set
+    a job size, or it set 1."""
+    sizes = [os.environ[v] for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS") if v in os.environ]
+    return not sizes or sizes[0].strip() == "1"
+
+
+def modelled(me: RankInfo, hosts: Optional[int], ppn: Optional[int]) -> Tuple[Topology, str]:
+    """The topology the table of a rank alone models, and the line that says which: H hosts of L ranks
+    (rank i on host i mod H) when --hosts or --ppn is given, else this host with one rank per core
+    (at least 2: one rank has nothing to send)."""
+    if hosts is None and ppn is None:
+        n = max(2, me.cores)
+        how = (f"{n} ranks on its {me.cores} cores" if me.cores > 1 else "2 ranks sharing its 1 core"
+               if me.cores == 1 else "2 ranks (its core count is unknown)")
+        note = (f"a rank alone sends nothing, so the table models this host with one rank per core: {how} "
+                f"(--hosts H --ppn L models another shape)")
+        return Topology([me] * n), note
+    hosts, ppn = hosts or 1, ppn or 1
+    topo = Topology.from_hosts([f"host{r % hosts}" for r in range(hosts * ppn)])
+    note = (f"a rank alone sends nothing, so the table models {hosts * ppn} ranks on {hosts} hosts "
+            f"(--hosts {hosts} --ppn {ppn}, rank i on host i mod {hosts})")
+    return topo, note
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     collectives = args.collective or list(MODELED)
-    if "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ:
+    if not alone():
         import pycoll
         with pycoll.init() as comm:
             if comm.rank == 0:
                 print(render(comm.topology, comm.selector, sizes, collectives))
         return 0
+    for name in ("hosts", "ppn"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if (args.hosts or 1) * (args.ppn or 1) < 2 and (args.hosts, args.ppn) != (None, None):
+        ap.error(f"--hosts {args.hosts or 1} --ppn {args.ppn or 1} models one rank, which sends nothing: "
+                 "give at least 2 ranks")
     me = detect(0)
-    if args.hosts < 1 or args.ppn < 1:
-        topo = Topology([me])
-    else:
-        topo = Topology.from_hosts([f"host{r % args.hosts}" for r in range(args.hosts * args.ppn)])
+    topo, note = modelled(me, args.hosts, args.ppn)
     nic_text = ", ".join(f"{n.name} {n.address} {n.speed or '?'} Mbit/s" for n in me.nics) or "none"
     print(f"this rank: host id {me.host}\n  hostname {me.hostname}, NUMA node {me.numa}, NICs {nic_text}, "
           f"RDMA {', '.join(me.rdma) or 'none'}\n")
     # modelled as the default transport (auto) runs: shm, with its board and stage, between ranks on a host
-    print(render(topo, Selector(tuner=Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)), sizes, collectives))
+    print(render(topo, Selector(tuner=Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)), sizes, collectives, note))
     return 0
