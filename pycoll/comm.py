@@ -110,7 +110,7 @@ class Communicator:
         self._agreements = 0  # agreements run on it (ft.py numbers them)
         self._detail = debug.enabled()  # PYCOLL_DEBUG=DETAIL, read once: every rank must agree on it
         self._recorder = recorder.for_communicator(name, self.comm_id, rank, self.group,  # flight recorder
-                                                   self.topology)
+                                                   self.topology, self._board_capacity() + (self.peer_memory,))
         self._chosen: Optional[Callable] = None  # the algorithm picked for the call about to _run
         self.selector = selector or Selector(board_bytes=self._board_capacity()[0])
 

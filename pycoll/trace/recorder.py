@@ -143,13 +143,14 @@ def _line(code: Any, lasti: int) -> Optional[int]:
 class Recorder:
     """One communicator's ring of its last `capacity` calls (collectives and point-to-point)."""
 
-    __slots__ = ("name", "comm_id", "rank", "group", "capacity", "topology", "_ring", "_n", "_p2p", "_live",
-                 "_base", "__weakref__")
+    __slots__ = ("name", "comm_id", "rank", "group", "capacity", "topology", "board", "_ring", "_n", "_p2p",
+                 "_live", "_base", "__weakref__")
 
     def __init__(self, name: str, comm_id: int, rank: int, group: Sequence[int], capacity: int,
-                 topology: Any = None) -> None:
+                 topology: Any = None, board: Optional[Tuple[int, int, bool]] = None) -> None:
         self.name, self.comm_id, self.rank, self.group = name, comm_id, rank, list(group)
         self.topology = topology  # the communicator's pycoll.topology.Topology (its members' hosts)
+        self.board = board  # (slot bytes, stage bytes, peers' memory reachable): when board algorithms fall back
         self.capacity = capacity
         self._ring: List[Optional[list]] = [None] * capacity
         self._n = 0  # entries ever recorded
@@ -299,6 +300,8 @@ class Recorder:
         each member's host id as the communicator's topology has it."""
         out = {"name": self.name, "id": f"{self.comm_id:#018x}", "rank": self.rank, "size": len(self.group),
                "group": self.group, "capacity": self.capacity, "recorded": self._n}
+        if self.board is not None:
+            out["board"] = list(self.board)
         topo = self.topology
         if topo is not None and topo.size == len(self.group):
             out["hosts"] = [topo.hosts[h] for h in topo.host_of]
@@ -416,14 +419,14 @@ class _Process:
         self.lock = threading.RLock()  # guards set-up and dump writing, never the hot path
         self.dumps = itertools.count()
 
-    def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int],
-                 topology: Any = None) -> Optional[Recorder]:
+    def recorder(self, name: str, comm_id: int, rank: int, group: Sequence[int], topology: Any = None,
+                 board: Optional[Tuple[int, int, bool]] = None) -> Optional[Recorder]:
         """A Recorder for a new communicator (None with PYCOLL_TRACE_BUFFER=0); the first one fixes
         this process's rank and, with PYCOLL_TRACE_DIR, opens the live file and installs the hooks."""
         capacity = config.get("PYCOLL_TRACE_BUFFER")
         if capacity == 0:
             return None
-        rec = Recorder(name, comm_id, rank, group, capacity, topology)
+        rec = Recorder(name, comm_id, rank, group, capacity, topology, board)
         with self.lock:
             if self.rank is None:
                 self.rank, self.started = group[rank], _time()
@@ -559,11 +562,12 @@ class _Process:
 PROCESS = _Process()
 
 
-def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int],
-                     topology: Any = None) -> Optional[Recorder]:
+def for_communicator(name: str, comm_id: int, rank: int, group: Sequence[int], topology: Any = None,
+                     board: Optional[Tuple[int, int, bool]] = None) -> Optional[Recorder]:
     """The Recorder of a new communicator (`topology`: its pycoll.topology.Topology, for the
-    members' hosts), or None when PYCOLL_TRACE_BUFFER=0 turns recording off."""
-    return PROCESS.recorder(name, comm_id, rank, group, topology)
+    members' hosts; `board`: its board's slot and stage bytes and whether its ranks reach each
+    other's memory), or None when PYCOLL_TRACE_BUFFER=0 turns recording off."""
+    return PROCESS.recorder(name, comm_id, rank, group, topology, board)
 
 
 def closing(rec: Recorder, final: bool) -> None:

@@ -15,8 +15,9 @@ broadcast or double tree sends `segments` per edge, recursive doubling allreduce
 halving-doubling reduce_scatter one message per step, Bruck's allgather two where a window wraps.
 The board algorithms (one-shot, two-shot, cma) move data through shared memory: their bytes are the
 pattern's (what one rank's reads and copies of another's data cost, in message bytes), and a
-message is a board post. v-variants (allgatherv, reduce_scatter with counts) are priced by their
-total, as the tuner prices them. MPI's own collectives (mpi_native) and allgather_ragged are not
+message is a board post. The ring allgatherv and reduce_scatter with counts are counted block by
+block; the other v-variants (recursive doubling, halving-doubling, hierarchical) by their total,
+as the tuner prices them. MPI's own collectives (mpi_native) and allgather_ragged are not
 modeled: the report lists them.
 
 Steps: rank r's step k is what it entered between its marks k-1 and k (pycoll.mark_step()); step 1
@@ -30,7 +31,7 @@ import bisect
 import functools
 import statistics
 from collections import Counter, defaultdict
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from .analysis import TraceError
 
@@ -143,17 +144,33 @@ def _from_rounds(coll: str, algo: str, rounds: Iterable[Any], n: int) -> Pairs:
     return out
 
 
-def _bruck(nbytes: float, n: int) -> Pairs:
-    """Bruck's allgather (n not a power of two): rank r sends the `count` blocks from its own on to
-    r - dist, as two messages where they wrap past rank n-1 (recursive_doubling.allgather)."""
+def doubling_v(counts: Sequence[float], itemsize: float) -> Pairs:
+    """recursive_doubling.allgather with block r of counts[r] elements, exactly: for a power of two,
+    rank r sends its aligned group of 1, 2, 4, ... blocks to r ^ mask; else Bruck: the `count`
+    blocks from its own on to r - dist, as two messages where they wrap past rank n-1 (empty pieces
+    are not sent)."""
+    n = len(counts)
     out: Pairs = {}
-    block, dist = nbytes / n, 1
+
+    def add(a: int, b: int, pieces: List[float]) -> None:
+        slot = out.setdefault((a, b), [0.0, 0.0])
+        slot[0] += sum(pieces) * itemsize
+        slot[1] += sum(1 for x in pieces if x)
+    if n & (n - 1) == 0:
+        mask = 1
+        while mask < n:
+            for r in range(n):
+                first = r & ~(mask - 1)
+                add(r, r ^ mask, [sum(counts[first:first + mask])])
+            mask <<= 1
+        return out
+    dist = 1
     while dist < n:
         count = min(dist, n - dist)
         for r in range(n):
-            slot = out.setdefault((r, (r - dist) % n), [0.0, 0.0])
-            slot[0] += count * block
-            slot[1] += 2 if r + count > n else 1
+            blocks = [counts[(r + k) % n] for k in range(count)]
+            split = max(0, min(count, n - r))  # blocks before the wrap
+            add(r, (r - dist) % n, [sum(blocks[:split]), sum(blocks[split:])])
         dist *= 2
     return out
 
@@ -170,7 +187,7 @@ def flat(coll: str, algo: str, nbytes: float, topo: Any, root: int = 0) -> Optio
         order = topo.ring_order() if algo == "ring" else list(range(n))
         return _from_rounds(coll, "ring", tuner.ring_pattern(coll, nbytes, order, root), n)
     if algo == "recursive_doubling" and coll == "allgather" and n & (n - 1):
-        return _bruck(nbytes, n)
+        return doubling_v([nbytes / n] * n, 1)
     if algo in ("recursive_doubling", "halving_doubling"):
         return _from_rounds(coll, algo, tuner.doubling_pattern(coll, nbytes, n, algo == "halving_doubling"), n)
     if algo == "tree" and coll == "allreduce":
@@ -184,6 +201,29 @@ def flat(coll: str, algo: str, nbytes: float, topo: Any, root: int = 0) -> Optio
     if algo == "cma":
         return _from_rounds(coll, algo, tuner.cma_pattern(coll, nbytes, n, 0.0, root), n)
     return None
+
+
+def ring_v(coll: str, counts: Sequence[int], itemsize: int, order: Sequence[int]) -> Pairs:
+    """The ring allgatherv / reduce_scatter with counts (algorithms/ring.py), exactly: along the ring
+    each rank passes on every block but the next rank's own (allgather) or its own (reduce-scatter),
+    each in segments_per_block(largest block) segments, empty ones skipped."""
+    from ..algorithms.ring import segments_per_block
+    n = len(order)
+    ring = [counts[o] for o in order]
+    spr = segments_per_block(int(max(ring) * itemsize))
+    out: Pairs = {}
+    for p in range(n):
+        kept = (p + 1) % n if coll == "allgather" else p
+        sent = [ring[b] for b in range(n) if b != kept]
+        out[order[p], order[(p + 1) % n]] = [sum(sent) * itemsize, sum(min(spr, c) for c in sent)]
+    return out
+
+
+def allgather_v(coll: str, algo: str, counts: Sequence[float], itemsize: float, topo: Any) -> Pairs:
+    """Ring allgatherv / reduce_scatter with counts, or recursive doubling (Bruck) allgatherv, block by block."""
+    if algo == "recursive_doubling":
+        return doubling_v(counts, itemsize)
+    return ring_v(coll, counts, itemsize, topo.ring_order())
 
 
 def formula(coll: str, algo: str, counts: Sequence[int], itemsize: int, n: int, root: int,
@@ -222,9 +262,7 @@ def hierarchical(coll: str, nbytes: float, topo: Any, root: int, phase: Optional
     from ..algorithms.ring import chunk_edges
     members, H = topo.members, topo.nhosts
     out: Pairs = {}
-    if H == 1:
-        return flat(coll, "ring", nbytes, topo, root)
-    if phase is None:
+    if phase is None and H > 1:
         return None
 
     def run(c: str, algo: str, size: float, ranks: Sequence[int], r: int = 0) -> bool:
@@ -236,15 +274,24 @@ def hierarchical(coll: str, nbytes: float, topo: Any, root: int, phase: Optional
         _add(out, got, ranks)
         return True
 
+    def gather_across(blocks: List[float], ranks: Sequence[int]) -> bool:
+        """The cross-host allgather(v) of `blocks` (elements per rank of `ranks`)."""
+        if len(set(blocks)) > 1 and phase in ("ring", "recursive_doubling"):
+            _add(out, allgather_v("allgather", phase, blocks, itemsize, topo.subset(ranks)), ranks)
+            return True
+        return run("allgather", phase or "ring", sum(blocks) * itemsize, ranks)
+
     ok = True
     if topo.uniform:
         L = topo.per_host
         if coll == "allgather":
             for j in range(L):
                 cross = [m[j] for m in members]
-                ok &= run(coll, phase, sum(counts[c] for c in cross) * itemsize, cross)
+                ok &= gather_across([counts[c] for c in cross], cross)
+            sizes = [sum(counts[m[k]] for m in members) for k in range(L)]  # bundle k: local ranks k
             for m in members:
-                run("allgather", "ring", nbytes, m)
+                if L > 1:
+                    _add(out, ring_v("allgather", sizes, itemsize, list(range(L))), m)
             return out if ok else None
         edges = chunk_edges(int(round(nbytes / itemsize)), L)
         shards = [(b - a) * itemsize for a, b in zip(edges, edges[1:])]
@@ -265,7 +312,7 @@ def hierarchical(coll: str, nbytes: float, topo: Any, root: int, phase: Optional
     if coll == "allgather":
         for m in members:
             _add(out, {(r, m[0]): [counts[r] * itemsize, 1] for r in m[1:] if counts[r]})
-        ok = run(coll, phase, nbytes, leaders)
+        ok = gather_across([sum(counts[r] for r in m) for m in members], leaders)
         for m in members:
             run("broadcast", "tree", nbytes, m)
         return out if ok else None
@@ -280,12 +327,35 @@ def hierarchical(coll: str, nbytes: float, topo: Any, root: int, phase: Optional
 
 # -- reading a job's dumps -------------------------------------------------------------------------
 class _Comm:
-    """One communicator as the dumps describe it: members' global ranks and hosts."""
+    """One communicator as the dumps describe it: members' global ranks, hosts and board."""
 
-    def __init__(self, group: List[int], hosts: List[str], racks: Optional[List[str]]) -> None:
+    def __init__(self, group: List[int], hosts: List[str], racks: Optional[List[str]],
+                 board: Optional[Sequence[Any]] = None) -> None:
         from ..topology import RankInfo, Topology
-        self.group = group
+        self.group, self.board = group, board
         self.topo = Topology([RankInfo(host=h, rack=(racks[i] if racks else "")) for i, h in enumerate(hosts)])
+
+
+def ran(call: str, algo: str, post: int, itemsize: int, n: int, board: Optional[Sequence[Any]]) -> str:
+    """The algorithm a board algorithm `algo` really runs for `call`: itself, or its message-based
+    fallback where the communicator's board (slot bytes, stage bytes, peers' memory reachable)
+    cannot carry it (`post`: the bytes one rank posts, its block of an allgather)."""
+    if algo not in BOARD or board is None:  # (no board recorded: as named)
+        return algo
+    slot, stage, memory = int(board[0]), int(board[1]), bool(board[2])
+    coll = BASE.get(call, call)
+    twoshot = "twoshot" if itemsize and stage // itemsize >= n else "halving_doubling"
+    if algo == "twoshot":
+        return twoshot
+    if algo == "oneshot":
+        if slot and post <= slot and call != "allgatherv":
+            return algo
+        return {"allreduce": "recursive_doubling", "allgather": "recursive_doubling",
+                "barrier": "dissemination"}.get(coll, "tree")
+    if slot and memory and call != "allgatherv":  # cma: every rank reaches the others' memory
+        return algo
+    return {"allreduce": twoshot, "reduce_scatter": "halving_doubling", "allgather": "recursive_doubling"
+            }.get(coll, "tree")
 
 
 def _sent(e: dict, comm: _Comm, me: int, cache: Dict[Tuple, Optional[Pairs]]) -> Optional[Pairs]:
@@ -309,11 +379,17 @@ def _sent(e: dict, comm: _Comm, me: int, cache: Dict[Tuple, Optional[Pairs]]) ->
         sc = e.get("send_counts")
         return None if sc is None else formula("alltoall", "pairwise", sc, item, n, root, me)
     counts = _per_rank(count, n)
+    post = counts[me] * item if coll == "allgather" else _total(count) * item
+    algo = ran(call, algo, post, item, n, comm.board)
     if algo in ("pairwise", "linear", "dissemination") or coll == "barrier":
         if coll == "alltoall":
             counts = [_total(count) // n] * n
         return formula(coll, algo, counts, item, n, root, me)
     nbytes = sum(counts) * item if coll == "allgather" else _total(count) * item
+    if len(set(counts)) > 1 and (coll, algo) in (("allgather", "ring"), ("reduce_scatter", "ring"),
+                                                  ("allgather", "recursive_doubling")):
+        pairs = allgather_v(coll, algo, counts, item, comm.topo)
+        return {p: v for p, v in pairs.items() if p[0] == me}
     key = (coll, algo, e.get("phase"), nbytes, item, root, tuple(counts) if coll == "allgather" else None,
            tuple(comm.topo.host_of), tuple(comm.topo.rack_of))
     if key not in cache:
@@ -380,8 +456,24 @@ def _median(values: List[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
-    """The traffic report of one job's dumps ({rank: dump}, one job: analysis.one_job)."""
+class Tally(NamedTuple):
+    """What the dumps of one job add up to, step by step (index i: the i-th counted step)."""
+
+    ranks: List[int]  # every rank a dump names
+    host_of: Dict[int, str]  # rank -> host id
+    steps: List[int]  # the counted steps' numbers ([0]: the unmarked span)
+    note: Optional[str]
+    bytes: Dict[Tuple[int, int], List[float]]  # (src, dst) global ranks -> bytes sent in each step
+    messages: Dict[Tuple[int, int], List[float]]
+    kinds: Dict[Tuple[str, Optional[str]], Dict[str, List[float]]]  # (call, algorithm) -> calls, within, ...
+    comm_s: Dict[int, List[float]]  # rank -> seconds inside communication in each step
+    step_s: Dict[int, List[Optional[float]]]  # rank -> each step's length (None: unmarked)
+    unmodeled: Counter
+    unfinished: int
+
+
+def tally(dumps: Dict[int, dict]) -> Tally:
+    """Add up one job's dumps ({rank: dump}; one job: analysis.one_job) step by step."""
     if not dumps:
         raise TraceError("no rank*.json dumps to read (run the job with PYCOLL_TRACE_DIR set: every rank "
                          "dumps when it ends)")
@@ -390,11 +482,11 @@ def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
     for d in dumps.values():
         for c in d.get("comms", []):
             if c.get("hosts"):
-                comms[c["id"], tuple(c["group"])] = _Comm(list(c["group"]), c["hosts"], c.get("racks"))
+                comms[c["id"], tuple(c["group"])] = _Comm(list(c["group"]), c["hosts"], c.get("racks"),
+                                                          c.get("board"))
                 for g, h in zip(c["group"], c["hosts"]):
                     host_of.setdefault(g, h)
     ranks = sorted(set(dumps) | {g for c in comms.values() for g in c.group})
-    missing = [r for r in ranks if r not in dumps]
 
     marked = {r: _steps(d) for r, d in dumps.items()}
     unmarked = [r for r, s in marked.items() if not s]
@@ -460,6 +552,19 @@ def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
                     k["between" if host_of.get(ga) != host_of.get(gb) else "within"][i] += x
                     k["messages"][i] += m
 
+    return Tally(ranks, host_of, steps, note, dict(pair_b), dict(pair_m), dict(kind),
+                 {r: [_union(b) for b in busy[r]] for r in dumps},
+                 {r: [(bounds[r][k][1] - bounds[r][k][0]) if k else None for k in steps] for r in dumps},
+                 unmodeled, unfinished)
+
+
+def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
+    """The traffic report of one job's dumps ({rank: dump}; one job: analysis.one_job): per rank,
+    pair and collective the median over the counted steps, each step's totals, and the window's."""
+    t = tally(dumps)
+    ranks, host_of, steps, S = t.ranks, t.host_of, t.steps, len(t.steps)
+    pair_b, pair_m, kind = t.bytes, t.messages, t.kinds
+    missing = [r for r in ranks if r not in dumps]
     hosts = list(dict.fromkeys(host_of[r] for r in ranks if r in host_of))
     between = {p: host_of.get(p[0]) != host_of.get(p[1]) for p in pair_b}
     per_step = []
@@ -469,8 +574,8 @@ def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
             "bytes_within": sum(v[i] for p, v in pair_b.items() if not between[p]),
             "bytes_between": sum(v[i] for p, v in pair_b.items() if between[p]),
             "messages": sum(v[i] for v in pair_m.values()),
-            "comm_s": {r: _union(busy[r][i]) for r in dumps},
-            "step_s": {r: (bounds[r][k][1] - bounds[r][k][0]) if k else None for r in dumps}})
+            "comm_s": {r: t.comm_s[r][i] for r in dumps},
+            "step_s": {r: t.step_s[r][i] for r in dumps}})
 
     def rank_row(r: int) -> Dict[str, Any]:
         mine = [p for p in pair_b if p[0] == r]
@@ -485,7 +590,7 @@ def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
         "job": next((d.get("job") for d in dumps.values() if d.get("job")), None),
         "ranks": ranks, "missing": missing, "hosts": hosts,
         "host_of": {r: hosts.index(host_of[r]) for r in ranks if r in host_of},
-        "steps": {"marked": not unmarked, "count": S, "numbers": steps, "note": note},
+        "steps": {"marked": bool(steps[0]), "count": S, "numbers": steps, "note": t.note},
         "median_step": {
             "ranks": {r: rank_row(r) for r in ranks},
             "total": {"bytes_within": _median([s["bytes_within"] for s in per_step]),
@@ -503,8 +608,8 @@ def traffic(dumps: Dict[int, dict]) -> Dict[str, Any]:
                    "messages": sum(s["messages"] for s in per_step),
                    "pairs": [{"src": a, "dst": b, "bytes": sum(pair_b[a, b]), "messages": sum(pair_m[a, b])}
                              for a, b in sorted(pair_b)]},
-        "unmodeled": [{"call": c, "algorithm": a, "calls": n} for (c, a), n in sorted(unmodeled.items())],
-        "unfinished": unfinished,
+        "unmodeled": [{"call": c, "algorithm": a, "calls": n} for (c, a), n in sorted(t.unmodeled.items())],
+        "unfinished": t.unfinished,
     }
 
 
