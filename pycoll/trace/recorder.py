@@ -354,13 +354,18 @@ def _count(count: Any) -> Any:
     return counts if len(counts) <= 16 else {"total": sum(counts), "first": counts[:16]}
 
 
+_traffic: Any = None  # trace/traffic.py, imported by the first dump
+
+
 def _algorithm(call: str, fn: Any, dtype: Any, count: Any, root: Any) -> Dict[str, Any]:
     """{"algorithm": its name in pycoll.selection (ring, flat_ring, tree, binomial, ...)}, with
     "registered": true for a call that reads registered buffers in place where it can, and for a
     hierarchical one "phase": the algorithm its cross-host phase ran (trace/traffic.py)."""
-    from . import traffic  # (at dump time only: it imports the selection layer)
+    global _traffic
+    if _traffic is None:  # (at dump time only: it imports the selection layer)
+        from . import traffic as _traffic
     try:
-        return traffic.describe_algorithm(call, fn, dtype, count, root)
+        return _traffic.describe_algorithm(call, fn, dtype, count, root)
     except Exception as e:  # a dump must not fail on an algorithm it cannot name
         return {"algorithm": None, "algorithm_error": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
 
@@ -548,8 +553,8 @@ class _Process:
         tmp = f"{path}.{os.getpid()}.{next(self.dumps)}.tmp"  # unique: a signal may dump inside a dump
         try:
             with self.lock:
-                with open(tmp, "w") as out:
-                    json.dump(data, out, separators=(",", ":"), default=str)
+                with open(tmp, "w") as out:  # (dumps, not dump: the C encoder, several times faster)
+                    out.write(json.dumps(data, separators=(",", ":"), default=str))
                 os.replace(tmp, path)
         except OSError as e:  # a full disk must not hide the error that asked for the dump
             print(f"pycoll: rank {self.rank}: cannot write the flight recorder's dump {path}: {e}", file=sys.stderr)

@@ -50,6 +50,7 @@ def _names(collective: str) -> Dict[str, str]:
     return {impl: name for name, impl in IMPLEMENTATIONS.get(collective, {}).items()}
 
 
+@functools.lru_cache(maxsize=256)
 def _name(collective: str, fn: Any) -> Optional[str]:
     """The selection name of algorithm function `fn` (or a functools.partial of it)."""
     fn = getattr(fn, "func", fn)
@@ -72,10 +73,19 @@ def describe_algorithm(call: str, fn: Any, dtype: Any, count: Any, root: Optiona
     name = _name(coll, fn)
     out["algorithm"] = name
     if name == "hierarchical" and dtype is not None and count is not None:
-        phase = _cross_phase(coll, keywords["topo"], keywords["selector"], dtype.itemsize, count, root)
+        topo, selector = keywords["topo"], keywords["selector"]
+        key = (id(topo), id(selector), coll, dtype.itemsize, tuple(count) if isinstance(count, list) else count, root)
+        if key not in _phases:
+            if len(_phases) > 1024:
+                _phases.clear()
+            _phases[key] = _cross_phase(coll, topo, selector, dtype.itemsize, count, root)
+        phase = _phases[key]
         if phase is not None:
             out["phase"] = phase
     return out
+
+
+_phases: Dict[Tuple, Optional[str]] = {}  # describe_algorithm's answers: a dump names many alike calls
 
 
 def _cross_phase(coll: str, topo: Any, selector: Any, itemsize: int, count: Any, root: Optional[int]
