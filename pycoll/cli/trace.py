@@ -15,8 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pycoll trace", allow_abbrev=False,
         description="Read the rank<R>.json dumps in DIR (PYCOLL_TRACE_DIR, or pycoll run --trace-dir) and "
-                    "print the first call where the ranks disagree and which rank is at fault. Exit 0 when "
-                    "there is no disagreement, 1 when there is, 2 when DIR holds nothing to read.")
+                    "print the first call where the ranks disagree and which rank is at fault (or, with "
+                    "--traffic, what each rank sent). Exit 0 when there is no disagreement (or the traffic "
+                    "report was printed), 1 when there is, 2 when DIR holds nothing to read or dumps of "
+                    "more than one job.")
     p.add_argument("folder", metavar="DIR", help="the job's trace folder")
     p.add_argument("--json", action="store_true", help="print the verdict (or the traffic report) as JSON")
     p.add_argument("--traffic", action="store_true",
@@ -48,12 +50,12 @@ def main(argv: List[str]) -> int:
     except analysis.TraceError as e:
         print(f"pycoll trace: {e}", file=sys.stderr)
         return 2
+    if args.chrome:
+        chrome.write(analysis.chrome_trace(dumps), args.chrome)
     if report is not None:
         print(json.dumps(report, indent=1) if args.json else traffic.render(report, args.folder))
         return 0
     verdict = analysis.analyse(dumps, live)
-    if args.chrome:
-        chrome.write(analysis.chrome_trace(dumps), args.chrome)
     if args.json:
         print(json.dumps(verdict, indent=1, default=str))
     else:

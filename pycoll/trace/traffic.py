@@ -39,7 +39,7 @@ Pairs = Dict[Tuple[int, int], List[float]]  # (src, dst) -> [bytes, messages], i
 BOARD = ("oneshot", "twoshot", "cma")
 BASE = {"allgatherv": "allgather", "gatherv": "gather", "scatterv": "scatter"}  # call -> selection's name
 ONE_MESSAGE_PER_STEP = {("allreduce", "recursive_doubling"), ("reduce_scatter", "halving_doubling")}
-UNMODELED = "not modeled"
+MATRIX_RANKS = 16  # the text report draws the rank-to-rank matrix up to this many ranks, else the heaviest pairs
 
 
 # -- at dump time: name what a call ran ------------------------------------------------------------
@@ -688,7 +688,12 @@ def render(report: Dict[str, Any], folder: str = "") -> str:
     for k in med["collectives"]:
         lines.append(f"  {k['call']:<16}{k['algorithm'] or '-':<20}{k['calls']:>6.0f}{_bytes(k['bytes_within']):>15}"
                      f"{_bytes(k['bytes_between']):>15}{k['messages']:>10.0f}")
-    if med["pairs"]:
+    if med["pairs"] and len(report["ranks"]) > MATRIX_RANKS:
+        heavy = sorted(med["pairs"], key=lambda p: -p["bytes"])[:MATRIX_RANKS]
+        lines.append(f"the {len(heavy)} heaviest pairs, median step; * crosses hosts:")
+        lines += [f"  {p['src']:>6} -> {p['dst']:<6}{_bytes(p['bytes']):>12}{'*' if p['between_hosts'] else ''}"
+                  f"  {p['messages']:.0f} messages" for p in heavy]
+    elif med["pairs"]:
         ranks = report["ranks"]
         lines.append("bytes sent, rank (row) to rank (column), median step; * crosses hosts:")
         lines.append("  " + f"{'':>6}" + "".join(f"{c:>12}" for c in ranks))
