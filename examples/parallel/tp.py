@@ -116,8 +116,15 @@ def make_batch(args: argparse.Namespace, step: int, batch: int = 0) -> Tuple[tor
 
 
 def full_params(model: nn.Module) -> List[torch.Tensor]:
-    """The model's parameters as whole tensors (DTensors gathered: collective, every rank calls)."""
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    """Every Linear's and LayerNorm's weight and bias as whole tensors, in module order (DTensors
+    gathered: collective, every rank calls). Read as attributes, not model.parameters(): DDP over a
+    slice of a TP mesh (hybrid.py) leaves the TP weights as plain DTensor attributes after a forward."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+            for t in (module.weight, module.bias):
+                out.append(t.full_tensor() if hasattr(t, "full_tensor") else t.detach())
+    return out
 
 
 def main() -> None:
