@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -36,8 +36,10 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _job(tmp_path: Path, n: int, script: str, *args: str, launcher: str = "pycoll") -> Dict[str, Any]:
-    """The JSON results of examples/parallel/SCRIPT on n ranks (n = 0: one process, no launcher)."""
+def _job(tmp_path: Path, n: int, script: str, *args: str, launcher: str = "pycoll",
+         trace: Optional[Path] = None) -> Dict[str, Any]:
+    """The JSON results of examples/parallel/SCRIPT on n ranks (n = 0: one process, no launcher); with
+    `trace`, the ranks' flight-recorder dumps go there (PYCOLL_TRACE_DIR)."""
     out = tmp_path / f"{script}-{n}-{len(list(tmp_path.iterdir()))}.json"
     path = str(JOBS / script)
     if n == 0:
@@ -48,11 +50,20 @@ def _job(tmp_path: Path, n: int, script: str, *args: str, launcher: str = "pycol
         cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(n), "--timeout", "100", sys.executable, path]
     cmd += [*args, "--json", str(out)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=110)
+        env = _env(PYCOLL_TRACE_DIR=str(trace)) if trace else _env()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=110)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{' '.join(cmd)} ran past 110 s; stdout:\n{e.stdout}\nstderr:\n{e.stderr}")
     assert proc.returncode == 0, " ".join(cmd) + "\n" + proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def _traffic(trace: Path) -> Dict[str, Any]:
+    """`pycoll trace DIR --traffic --json` of a job's dumps."""
+    proc = subprocess.run([sys.executable, "-m", "pycoll", "trace", str(trace), "--traffic", "--json"],
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
 def _equal(a: Any, b: Any, exact: bool, where: str = "") -> None:
@@ -103,12 +114,21 @@ def _check_ep(r: Dict[str, Any], n: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_ep_pycoll_equals_gloo_on_2_ranks(tmp_path):
-    p = _job(tmp_path, 2, "ep.py", *EP_TINY, "--backend", "pycoll")
+    """... and the all-to-all bytes the job counts are those pycoll's traffic report finds in each step."""
+    p = _job(tmp_path, 2, "ep.py", *EP_TINY, "--backend", "pycoll", trace=tmp_path / "trace")
     g = _job(tmp_path, 2, "ep.py", *EP_TINY, "--backend", "gloo")
     for r in (p, g):
         _check_ep(r, 2)
     _same_results(p, g, ["losses", "a2a_bytes", "tokens_per_rank", "checksum", "loss"], ["weights_sha"])
     assert p["losses"][-1] != p["losses"][0]  # it trained: the experts' and router's weights moved
+
+    traffic = _traffic(tmp_path / "trace")
+    calls = {c["call"]: c for c in traffic["median_step"]["collectives"] if c["calls"]}
+    assert set(calls) == {"alltoall", "alltoallv", "allreduce"}, calls  # the counts, the tokens, the router
+    assert (calls["alltoall"]["calls"], calls["alltoallv"]["calls"], calls["allreduce"]["calls"]) == (1, 4, 1)
+    router = calls["allreduce"]["bytes_within"]
+    timed = traffic["per_step"][1:]  # step 1 is the warm-up (marked, not timed)
+    assert [s["bytes_within"] - router for s in timed] == p["a2a_bytes"]
 
 
 @pytest.mark.timeout(120)
@@ -156,11 +176,16 @@ def _check_serve(r: Dict[str, Any], ref: Dict[str, Any], tp: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_serve_tp_tokens_equal_one_process_and_gloo(tmp_path, serve_reference):
-    p = _job(tmp_path, 2, "serve.py", *SERVE_TINY, "--backend", "pycoll")
+    """... and pycoll's traffic report finds the job's allreduces in each token's step."""
+    p = _job(tmp_path, 2, "serve.py", *SERVE_TINY, "--backend", "pycoll", trace=tmp_path / "trace")
     g = _job(tmp_path, 2, "serve.py", *SERVE_TINY, "--backend", "gloo")
     for r in (p, g):
         _check_serve(r, serve_reference, tp=2)
     _same_results(p, g, ["tokens", "checksum"], ["logits_sha"])
+    traffic = _traffic(tmp_path / "trace")
+    calls = {c["call"]: c["calls"] for c in traffic["median_step"]["collectives"] if c["calls"]}
+    assert calls == {"allreduce": p["allreduces_per_token"]}, calls  # the median step is a decode step
+    assert traffic["steps"]["count"] == 3 * 8  # a warm-up batch and 2 timed ones of 8 tokens
 
 
 @pytest.mark.timeout(150)
@@ -175,9 +200,9 @@ def test_serve_disaggregated_tokens_equal_one_process_and_gloo(tmp_path, serve_r
     _same_results(p, g, ["tokens", "checksum"], ["logits_sha"])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("disaggregate", [False, True], ids=["tp4", "disaggregated-tp2"])
+@pytest.mark.parametrize("disaggregate", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tp4", "disaggregated-tp2"])
 def test_serve_4_ranks(tmp_path, serve_reference, disaggregate):
     flag = ["--disaggregate"] if disaggregate else []
     p = _job(tmp_path, 4, "serve.py", *SERVE_TINY, *flag, "--backend", "pycoll")
