@@ -1,0 +1,218 @@
+"""The runnable jobs of examples/parallel/ (issue 37), each started as a user starts it (`pycoll run -n N`,
+torchrun) on backend "pycoll" and on gloo: the two runs' results must agree as the job's JSON `match` says
+(bit-identical weights and loss, or within float32 rounding), and bad input must fail with a clear message
+before anything is sent.
+
+Shared helpers for every job's section: `run_job` (start a job, return its JSON), `assert_same_results`
+(pycoll against gloo as `match` says) and `bad_input` (start one rank of a world that has no peers and
+expect a usage error naming the problem). One section per job below."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+import pytest
+
+from multiproc import free_port
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOBS = os.path.join(ROOT, "examples", "parallel")
+TORCHRUN = shutil.which("torchrun")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "PYCOLL_STORE_HOSTED", "PYCOLL_STORE_PORT", "PYCOLL_JOB_TOKEN", "PYCOLL_JOB_TOKEN_FILE",
+               "OMP_NUM_THREADS")
+QUICK = ["--steps", "2", "--warmup", "1"]  # the default run's jobs: one untimed and two timed steps
+
+
+def job_env(**extra: str) -> Dict[str, str]:
+    """This environment without any launcher's variables (a test's own launcher sets them), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(extra)
+    return env
+
+
+def run_job(tmp_path, script: str, n: int, *args: str, backend: str = "pycoll", launcher: str = "pycoll",
+            env: Optional[Dict[str, str]] = None, timeout: float = 170) -> dict:
+    """Run examples/parallel/`script` on `n` ranks under `launcher` ("pycoll": `pycoll run -n n`, or "torchrun")
+    with --backend `backend` and `args`; its JSON results (a failed job fails the test with its output)."""
+    out = tmp_path / f"{script}-{backend}-{launcher}-{n}-{abs(hash(args))}.json"
+    job = [os.path.join(JOBS, script), "--backend", backend, "--json", str(out), *args]
+    if launcher == "pycoll":
+        cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(n), "--timeout", str(timeout - 10), sys.executable, *job]
+    else:
+        cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-port", str(free_port()), *job]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["backend"] == backend and result["ranks"] == n, result
+    assert result["step_ms"] > 0 and len(result["step_ms_per_step"]) == result["steps"], result
+    return result
+
+
+def assert_same_results(ours: dict, theirs: dict) -> None:
+    """pycoll's results against gloo's: bit-identical weights and loss where the job says its reductions have
+    one order, else the loss and the weights' checksum within float32 rounding."""
+    assert ours["match"] == theirs["match"], (ours["match"], theirs["match"])
+    if ours["match"] == "bit-identical":
+        assert ours["weights_sha"] == theirs["weights_sha"], (ours, theirs)
+        assert ours["loss"] == theirs["loss"], (ours["loss"], theirs["loss"])
+    else:
+        assert ours["match"] == "float32 rounding", ours["match"]
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours["loss"], theirs["loss"])
+        assert ours["checksum"] == pytest.approx(theirs["checksum"], rel=1e-5), (ours["checksum"], theirs["checksum"])
+
+
+def bad_input(script: str, world: int, args: List[str], local_world: Optional[int] = None) -> str:
+    """Start rank 0 of a `world`-rank job whose MASTER_PORT nobody serves: the job must refuse `args` with
+    exit status 2 before it connects anywhere (else it would wait for its peers). Its stderr."""
+    env = job_env(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local_world or world),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(JOBS, script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- tp.py
+
+@pytest.mark.timeout(200)
+def test_tp_two_ranks_bit_identical_to_gloo(tmp_path):
+    ours = run_job(tmp_path, "tp.py", 2, *QUICK)
+    theirs = run_job(tmp_path, "tp.py", 2, *QUICK, backend="gloo")
+    assert ours["match"] == "bit-identical" and ours["tp"] == 2
+    assert_same_results(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tp_four_ranks_matches_gloo_and_one_process(tmp_path):
+    ours = run_job(tmp_path, "tp.py", 4, *QUICK)
+    theirs = run_job(tmp_path, "tp.py", 4, *QUICK, backend="gloo")
+    assert ours["match"] == "float32 rounding" and ours["tp"] == 4
+    assert_same_results(ours, theirs)
+    alone = run_job(tmp_path, "tp.py", 1, *QUICK)  # the same model unsharded: the same training within rounding
+    assert alone["loss"] == pytest.approx(ours["loss"], rel=1e-4)
+    assert alone["checksum"] == pytest.approx(ours["checksum"], rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,args,message", [
+    (3, [], "TP degree 3 does not divide --heads 4"),
+    (2, ["--heads", "3", "--dim", "60"], "TP degree 2 does not divide --heads 3"),
+    (1, ["--heads", "5"], "--heads 5 does not divide --dim 64"),
+])
+def test_tp_bad_input(world, args, message):
+    assert message in bad_input("tp.py", world, args)
+
+
+# ---------------------------------------------------------------------------------------------- pp.py
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_bit_identical_to_gloo(tmp_path, schedule):
+    args = [*QUICK, "--schedule", schedule, "--microbatches", "4"]
+    ours = run_job(tmp_path, "pp.py", 2, *args)
+    theirs = run_job(tmp_path, "pp.py", 2, *args, backend="gloo")
+    assert_same_results(ours, theirs)
+    assert ours["match"] == "bit-identical" and ours["schedule"] == schedule and ours["stages"] == 2
+    assert ours["bubble_theory"] == pytest.approx(1 / 5)
+    assert len(ours["bubble_per_stage"]) == 2
+    assert all(0 <= b < 1 for b in ours["bubble_per_stage"]) and 0 <= ours["bubble"] < 1, ours
+    assert 0 < ours["pipe_ms"] <= ours["step_ms"] * 1.5, ours  # the schedule's part of the step
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with torch")
+@pytest.mark.timeout(200)
+def test_pp_under_torchrun_matches_pycoll_run(tmp_path):
+    """torchrun on pycoll against `pycoll run` on gloo (one torch thread per rank in both): the same weights."""
+    env = job_env(OMP_NUM_THREADS="1")
+    ours = run_job(tmp_path, "pp.py", 2, *QUICK, launcher="torchrun", env=env)
+    theirs = run_job(tmp_path, "pp.py", 2, *QUICK, backend="gloo", env=env)
+    assert_same_results(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_pp_bubble_near_theory(tmp_path):
+    """With stages of real work (width 256, sequence 64), the measured bubble falls as microbatches grow and
+    stays near (p-1)/(m+p-1): the idle time is the schedule's, not the job's overhead."""
+    size = ["--dim", "256", "--seq", "64", "--batch", "32", "--layers", "4", "--steps", "3"]
+    bubbles = {}
+    for m in (1, 8):
+        r = run_job(tmp_path, "pp.py", 2, *size, "--microbatches", str(m))
+        bubbles[m] = r["bubble"]
+        print(f"p=2 m={m}: bubble {r['bubble']:.3f}, theory {r['bubble_theory']:.3f}")
+        assert r["bubble"] == pytest.approx(r["bubble_theory"], abs=0.1), r
+    assert bubbles[1] > bubbles[8]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,args,message", [
+    (2, ["--microbatches", "3"], "--microbatches 3 does not divide --batch 8"),
+    (2, ["--schedule", "1f1b", "--microbatches", "1"], "1F1B needs at least as many microbatches as stages (2)"),
+    (3, [], "3 stages (one per rank) do not divide --layers 2"),
+])
+def test_pp_bad_input(world, args, message):
+    assert message in bad_input("pp.py", world, args)
+
+
+# ------------------------------------------------------------------------------------------ hybrid.py
+
+@pytest.mark.timeout(240)
+def test_hybrid_two_by_two_bit_identical_to_gloo(tmp_path):
+    ours = run_job(tmp_path, "hybrid.py", 4, *QUICK)
+    theirs = run_job(tmp_path, "hybrid.py", 4, *QUICK, backend="gloo")
+    assert ours["mesh"] == [[0, 1], [2, 3]] and ours["placement"] == "tp-inside-host", ours
+    assert ours["match"] == "bit-identical" and ours["dp_style"] == "fsdp"
+    assert_same_results(ours, theirs)
+
+
+def _two_nodes(tmp_path, script: str, ranks_per_node: int, *args: str, backend: str = "pycoll",
+               timeout: float = 200) -> dict:
+    """`script` on 2 'hosts' of this machine: two `pycoll run --nnodes 2` launchers (node 0 serves the store),
+    so LOCAL_WORLD_SIZE is `ranks_per_node` and the job sees two hosts. Node 0's rank 0 writes the JSON."""
+    out = tmp_path / f"{script}-{backend}-2nodes.json"
+    master, store = free_port(), free_port()
+    env = job_env(PYCOLL_JOB_TOKEN=os.urandom(32).hex())
+    job = [sys.executable, os.path.join(JOBS, script), "--backend", backend, "--json", str(out), *args]
+    procs = [subprocess.Popen([sys.executable, "-m", "pycoll", "run", "-n", str(ranks_per_node), "--nnodes", "2",
+                               "--node-rank", str(node), "--master-port", str(master), "--store-port", str(store),
+                               "--timeout", str(timeout - 20), *job], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hybrid_placements_and_dp_styles_train_the_same_model(tmp_path):
+    """2 hosts x 2 ranks: TP across hosts (mesh [[0, 2], [1, 3]]) on pycoll equals gloo's and equals TP inside
+    hosts bit for bit (the same replicas, batches and groups of two); DDP along dp equals FSDP2."""
+    across = _two_nodes(tmp_path, "hybrid.py", 2, *QUICK, "--tp-across-hosts")
+    assert across["mesh"] == [[0, 2], [1, 3]] and across["placement"] == "tp-across-hosts", across
+    assert_same_results(across, _two_nodes(tmp_path, "hybrid.py", 2, *QUICK, "--tp-across-hosts", backend="gloo"))
+    inside = _two_nodes(tmp_path, "hybrid.py", 2, *QUICK)
+    assert inside["mesh"] == [[0, 1], [2, 3]]
+    assert_same_results(across, inside)
+    ddp = run_job(tmp_path, "hybrid.py", 4, *QUICK, "--dp-style", "ddp")
+    assert_same_results(ddp, inside)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,local,args,message", [
+    (4, 4, ["--tp", "3"], "does not divide the world: --tp 3 must divide the 4 ranks"),
+    (4, 2, ["--tp", "4"], "--tp-inside-host: TP groups of 4 ranks do not fit in hosts of 2 ranks"),
+    (4, 4, ["--tp-across-hosts"], "a TP group takes one rank from each of 2 hosts, and the job's 1 host(s)"),
+    (8, 8, ["--tp", "8"], "TP degree 8 does not divide --heads 4"),
+])
+def test_hybrid_bad_input(world, local, args, message):
+    assert message in bad_input("hybrid.py", world, args, local_world=local)
