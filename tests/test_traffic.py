@@ -286,6 +286,25 @@ def test_torch_backend_job(tmp_path):
     assert 0 < comm["comm_s"] <= comm["step_s"]
 
 
+def _caught_failure(comm):
+    """Rank 0 calls an allreduce that rank 1 never joins (it ends), catches the error, and ends normally."""
+    import pycoll
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    if comm.rank == 0:
+        with pytest.raises((pycoll.TimeoutError, pycoll.PeerError)):
+            comm.allreduce(x, timeout=2.0)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_an_ending_dump_never_replaces_a_failures(tmp_path):
+    run_ranks(_caught_failure, 2, env={"PYCOLL_TRACE_DIR": str(tmp_path), "PYCOLL_TUNER": "static"})
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert zero["reason"].split()[0] in ("TimeoutError", "PeerError") and zero["error"], zero["reason"]
+    assert one["reason"].startswith("job ended"), one["reason"]
+
+
 # -- mark_step -----------------------------------------------------------------------------------------
 def test_mark_step_numbers_and_keeps_the_newest():
     import pycoll

@@ -448,9 +448,13 @@ class _Process:
     def _open(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
-        try:  # this rank's dump of an earlier job in the same folder would be taken for this job's
-            os.unlink(os.path.join(folder, f"rank{self.rank}.json"))
-        except OSError:
+        old = os.path.join(folder, f"rank{self.rank}.json")
+        try:  # this rank's dump of an earlier job in the same folder would be taken for this job's (one of
+            with open(old) as f:  # this job, a rank that died and was replaced, stays until this one dumps)
+                stale = json.load(f).get("job") != job_identity() or job_identity() is None
+            if stale:
+                os.unlink(old)
+        except (OSError, ValueError, AttributeError):
             pass
         path = os.path.join(folder, f"rank{self.rank}.live")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
