@@ -14,11 +14,13 @@ Messages follow the patterns' conventions (test_patterns.py's docstring): a pipe
 broadcast or double tree sends `segments` per edge, recursive doubling allreduce and
 halving-doubling reduce_scatter one message per step, Bruck's allgather two where a window wraps.
 The board algorithms (one-shot, two-shot, cma) move data through shared memory: their bytes are the
-pattern's (what one rank's reads and copies of another's data cost, in message bytes), and a
-message is a board post. The ring allgatherv and reduce_scatter with counts are counted block by
-block; the other v-variants (recursive doubling, halving-doubling, hierarchical) by their total,
-as the tuner prices them. MPI's own collectives (mpi_native) and allgather_ragged are not
-modeled: the report lists them.
+pattern's (one-shot: the slot reads; two-shot and cma: what their copies cost, in message bytes),
+a message is a board post, and where the communicator's board cannot carry a call (the dump says
+what it holds) the message-based fallback that ran is counted instead. Calls that may read
+registered buffers in place count as the algorithm they fall back to. The ring and recursive
+doubling (Bruck) allgatherv, the ring reduce_scatter with counts and the hierarchical allgather's
+bundles are counted block by block; other v-variants by their total, as the tuner prices them.
+MPI's own collectives (mpi_native) and allgather_ragged are not modeled: the report lists them.
 
 Steps: rank r's step k is what it entered between its marks k-1 and k (pycoll.mark_step()); step 1
 starts when its first communicator was made. A step counts only where every rank marked it and
