@@ -37,8 +37,7 @@ class A2AClock:
     """What one step's all-to-alls cost on this rank: time inside them, bytes sent to other ranks, and the
     two backward timestamps that bracket the experts' backward compute."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -51,13 +50,13 @@ class A2AClock:
     def exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]],
                  in_splits: Optional[List[int]], group: Any) -> None:
         """dist.all_to_all_single(out, inp, out_splits, in_splits), timed and its bytes counted."""
-        row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
-        sends = in_splits if in_splits is not None else [inp.shape[0] // dist.get_world_size(group)] * \
-            dist.get_world_size(group)
+        world = dist.get_world_size(group)
+        sends = in_splits if in_splits is not None else [inp.shape[0] // world] * world
         t0 = time.perf_counter()
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
         self.a2a_s += time.perf_counter() - t0
         self.calls += 1
+        row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
         self.bytes_sent += row * (sum(sends) - sends[dist.get_rank(group)])
 
 
@@ -116,7 +115,7 @@ class MoELayer(nn.Module):
         first = self.rank * self.local
         self.experts = nn.ModuleList(Expert(hidden, ffn, seed * 1_000_003 + 1 + e)
                                      for e in range(first, first + self.local))
-        self.clock = A2AClock(self.rank)
+        self.clock = A2AClock()
         self.expert_s = 0.0
         self.tokens_in = 0
 
@@ -201,7 +200,6 @@ def main() -> None:
     init(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(args.seed)
     moe = MoELayer(args.hidden, args.ffn, args.experts, args.top_k, args.skew, args.seed)
     steps = Steps(args.warmup)
     mine: List[Dict[str, float]] = []

@@ -99,7 +99,8 @@ class Layer:
         inner = slice(t * ffn, (t + 1) * ffn)
         self.ln1 = (w[f"{i}.ln1.w"], w[f"{i}.ln1.b"])
         self.ln2 = (w[f"{i}.ln2.w"], w[f"{i}.ln2.b"])
-        self.wqkv = torch.cat([w[f"{i}.{n}"][:, cols] for n in ("wq", "wk", "wv")], dim=1).contiguous()  # column-parallel
+        # column-parallel: this rank's heads' query, key and value columns, one matrix
+        self.wqkv = torch.cat([w[f"{i}.{n}"][:, cols] for n in ("wq", "wk", "wv")], dim=1).contiguous()
         self.wo = w[f"{i}.wo"][cols].contiguous()  # row-parallel: partial sums, then all_reduce
         self.bo = w[f"{i}.bo"]
         self.w1, self.b1 = w[f"{i}.w1"][:, inner].contiguous(), w[f"{i}.b1"][inner].contiguous()
