@@ -142,12 +142,12 @@ def test_pp_bubble_near_theory(tmp_path):
     stays near (p-1)/(m+p-1): the idle time is the schedule's, not the job's overhead."""
     size = ["--dim", "256", "--seq", "64", "--batch", "32", "--layers", "4", "--steps", "3"]
     bubbles = {}
-    for m in (1, 8):
+    for m in (1, 4):
         r = run_job(tmp_path, "pp.py", 2, *size, "--microbatches", str(m))
         bubbles[m] = r["bubble"]
         print(f"p=2 m={m}: bubble {r['bubble']:.3f}, theory {r['bubble_theory']:.3f}")
         assert r["bubble"] == pytest.approx(r["bubble_theory"], abs=0.1), r
-    assert bubbles[1] > bubbles[8]
+    assert bubbles[1] > bubbles[4]
 
 
 @pytest.mark.timeout(60)
