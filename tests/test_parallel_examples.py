@@ -216,3 +216,193 @@ def test_hybrid_placements_and_dp_styles_train_the_same_model(tmp_path):
 ])
 def test_hybrid_bad_input(world, local, args, message):
     assert message in bad_input("hybrid.py", world, args, local_world=local)
+
+
+# ---------------------------------------------------------------------------------------------- ep.py
+
+EP_TINY = ["--tokens", "32", "--hidden", "32", "--ffn", "64", "--steps", "3", "--warmup", "1"]
+
+
+def traffic_report(trace) -> dict:
+    """`pycoll trace DIR --traffic --json` of a job's flight-recorder dumps."""
+    proc = subprocess.run([sys.executable, "-m", "pycoll", "trace", str(trace), "--traffic", "--json"],
+                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _check_ep(r: dict, n: int) -> None:
+    """What any ep.py result must hold: every token copy lands on one rank, the bytes sent are those copies'
+    rows (each sent 4 times: dispatch and combine, forward and backward) plus the counts, the loss is finite."""
+    assert r["experts"] == 2 * n and r["a2a_calls_per_step"] == 5, r
+    copies, row = r["tokens"] * n * r["top_k"], r["hidden"] * 4
+    counts_bytes = n * (n - 1) * (r["experts"] // n) * 8
+    for per_rank, sent in zip(r["tokens_per_rank"], r["a2a_bytes"]):
+        assert sum(per_rank) == copies
+        remote = (sent - counts_bytes) / (4 * row)  # copies that left their rank
+        assert remote == int(remote) and 0 < remote <= copies, (sent, copies)
+    assert len(r["expert_ms"]) == len(r["a2a_ms"]) == n and r["wait_ms"] >= 0
+    assert bool(torch.isfinite(torch.tensor(r["losses"])).all())
+
+
+def _same_ep(ours: dict, theirs: dict) -> None:
+    """ep.py on pycoll against gloo: as `match` says, and, where bit-identical, the same routing and losses
+    at every step."""
+    assert_same_results(ours, theirs)
+    if ours["match"] == "bit-identical":
+        for key in ("losses", "a2a_bytes", "tokens_per_rank"):
+            assert ours[key] == theirs[key], key
+    else:
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_ep_two_ranks_bit_identical_to_gloo_and_bytes_match_the_traffic_report(tmp_path):
+    ours = run_job(tmp_path, "ep.py", 2, *EP_TINY, env=job_env(PYCOLL_TRACE_DIR=str(tmp_path / "trace")))
+    theirs = run_job(tmp_path, "ep.py", 2, *EP_TINY, backend="gloo")
+    for r in (ours, theirs):
+        _check_ep(r, 2)
+    assert ours["match"] == "bit-identical"
+    _same_ep(ours, theirs)
+    assert ours["losses"][-1] != ours["losses"][0]  # it trained: the experts' and router's weights moved
+
+    traffic = traffic_report(tmp_path / "trace")
+    calls = {c["call"]: c for c in traffic["median_step"]["collectives"] if c["calls"]}
+    assert {k: c["calls"] for k, c in calls.items()} == {"alltoall": 1, "alltoallv": 4, "allreduce": 1}, calls
+    router = calls["allreduce"]["bytes_within"]  # the counts, the tokens, the router's gradient
+    timed = traffic["per_step"][1:]  # step 1 is the warm-up (marked, not timed)
+    assert [s["bytes_within"] - router for s in timed] == ours["a2a_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_ep_skew_loads_the_first_ranks(tmp_path):
+    even = run_job(tmp_path, "ep.py", 2, *EP_TINY)
+    skew = run_job(tmp_path, "ep.py", 2, *EP_TINY, "--skew", "3")
+    for r in (even, skew):
+        _check_ep(r, 2)
+    assert skew["skew"] == 3.0 and skew["load_imbalance"] > even["load_imbalance"] + 0.2, (skew, even)
+    assert all(row[0] > row[1] for row in skew["tokens_per_rank"])  # rank 0 holds the favoured experts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ep_four_ranks_skewed_matches_gloo(tmp_path):
+    args = [*EP_TINY, "--skew", "--top-k", "3"]
+    ours = run_job(tmp_path, "ep.py", 4, *args)
+    theirs = run_job(tmp_path, "ep.py", 4, *args, backend="gloo")
+    for r in (ours, theirs):
+        _check_ep(r, 4)
+    assert ours["match"] == "float32 rounding"
+    _same_ep(ours, theirs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,args,message", [
+    (3, ["--experts", "4"], "--experts 4 cannot be divided among 3 ranks"),
+    (2, ["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts (4)"),
+    (2, ["--top-k", "0"], "--top-k 0 must be between 1 and --experts (4)"),
+])
+def test_ep_bad_input(world, args, message):
+    assert message in bad_input("ep.py", world, args)
+
+
+# ------------------------------------------------------------------------------------------- serve.py
+
+SERVE_TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--batch", "2",
+              "--prompt-len", "8", "--new-tokens", "8", "--steps", "2", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def serve_alone(tmp_path_factory) -> dict:
+    """serve.py as one process with no launcher (no peers, no all_reduce): the tokens every parallel run must
+    reproduce."""
+    out = tmp_path_factory.mktemp("serve-alone") / "alone.json"
+    proc = subprocess.run([sys.executable, os.path.join(JOBS, "serve.py"), *SERVE_TINY, "--json", str(out)],
+                          cwd=ROOT, env=job_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["ranks"] == 1 and r["tp"] == 1 and r["allreduces_per_token"] == 0
+    assert len(r["tokens"]) == 2 * 2 and all(len(t) == 8 for t in r["tokens"])
+    return r
+
+
+def _check_serve(r: dict, alone: dict, tp: int) -> None:
+    """Tokens equal the one-process run's; two all_reduces per layer per token of batch x hidden float32."""
+    assert r["tokens"] == alone["tokens"]
+    layers, batch, hidden = r["layers"], r["batch"], r["hidden"]
+    assert r["tp"] == tp and r["allreduces_per_token"] == (2 * layers if tp > 1 else 0)
+    assert r["allreduce_bytes_per_token"] == (2 * layers * batch * hidden * 4 if tp > 1 else 0)
+    assert r["prefill_allreduce_bytes"] == (2 * layers * batch * r["prompt_len"] * hidden * 4 if tp > 1 else 0)
+    assert 0 < r["tpot_ms"] <= r["tpot_p99_ms"] and r["ttft_ms"] > 0 and r["min_logit_gap"] > 0
+
+
+def _same_serve(ours: dict, theirs: dict) -> None:
+    """serve.py on pycoll against gloo: the same tokens, and the last logits as `match` says (bit-identical
+    when a tensor-parallel group has at most 2 ranks)."""
+    assert ours["match"] == theirs["match"] == ("bit-identical" if ours["tp"] <= 2 else "float32 rounding")
+    assert ours["tokens"] == theirs["tokens"]
+    if ours["match"] == "bit-identical":
+        assert ours["logits_sha"] == theirs["logits_sha"]
+    assert ours["checksum"] == pytest.approx(theirs["checksum"], rel=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_serve_two_ranks_tokens_equal_one_process_and_gloo(tmp_path, serve_alone):
+    """... and pycoll's traffic report finds allreduces_per_token all_reduces in a token's step."""
+    ours = run_job(tmp_path, "serve.py", 2, *SERVE_TINY, env=job_env(PYCOLL_TRACE_DIR=str(tmp_path / "trace")))
+    theirs = run_job(tmp_path, "serve.py", 2, *SERVE_TINY, backend="gloo")
+    for r in (ours, theirs):
+        _check_serve(r, serve_alone, tp=2)
+    _same_serve(ours, theirs)
+    traffic = traffic_report(tmp_path / "trace")
+    calls = {c["call"]: c["calls"] for c in traffic["median_step"]["collectives"] if c["calls"]}
+    assert calls == {"allreduce": ours["allreduces_per_token"]}, calls  # the median step is a decode step
+    assert traffic["steps"]["count"] == 3 * 8  # a warm-up batch and 2 timed ones, 8 tokens each
+
+
+@pytest.mark.timeout(150)
+def test_serve_disaggregated_two_ranks_tokens_equal_one_process_and_gloo(tmp_path, serve_alone):
+    ours = run_job(tmp_path, "serve.py", 2, *SERVE_TINY, "--disaggregate")
+    theirs = run_job(tmp_path, "serve.py", 2, *SERVE_TINY, "--disaggregate", backend="gloo")
+    kv = 2 * 2 * 2 * 8 * 64 * 4  # keys and values x layers x batch x prompt x hidden x float32
+    for r in (ours, theirs):
+        _check_serve(r, serve_alone, tp=1)
+        assert r["disaggregate"] and r["handoff_bytes"] == kv + 2 * 8 and r["handoff_messages"] == 2 * 2 + 1
+        assert r["ttft_ms"] >= r["prefill_ms"] - 5.0  # clocks on two ranks, started by one barrier
+    _same_serve(ours, theirs)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("disaggregate", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tp4", "disaggregated-tp2"])
+def test_serve_four_ranks(tmp_path, serve_alone, disaggregate):
+    flag = ["--disaggregate"] if disaggregate else []
+    ours = run_job(tmp_path, "serve.py", 4, *SERVE_TINY, *flag)
+    theirs = run_job(tmp_path, "serve.py", 4, *SERVE_TINY, *flag, backend="gloo")
+    for r in (ours, theirs):
+        _check_serve(r, serve_alone, tp=2 if disaggregate else 4)
+    _same_serve(ours, theirs)
+    if disaggregate:
+        assert ours["handoff_messages"] == 2 * (2 * 2 + 1)  # two prefill ranks, each its heads' K and V
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with torch")
+def test_ep_and_serve_under_torchrun(tmp_path, serve_alone):
+    _check_serve(run_job(tmp_path, "serve.py", 2, *SERVE_TINY, "--disaggregate", launcher="torchrun"),
+                 serve_alone, tp=1)
+    _check_ep(run_job(tmp_path, "ep.py", 2, *EP_TINY, launcher="torchrun"), 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,args,message", [
+    (3, ["--heads", "4"], "--heads 4 cannot be split over a tensor-parallel degree of 3"),
+    (4, ["--heads", "3", "--hidden", "48", "--disaggregate"],
+     "--heads 3 cannot be split over a tensor-parallel degree of 2"),
+    (3, ["--heads", "3", "--hidden", "48", "--disaggregate"], "needs an even number of ranks, got 3"),
+    (2, ["--hidden", "50", "--heads", "4"], "--hidden 50 is not a multiple of --heads 4"),
+    (2, ["--ffn", "63"], "--ffn 63 cannot be split over a tensor-parallel degree of 2"),
+])
+def test_serve_bad_input(world, args, message):
+    assert message in bad_input("serve.py", world, args)
