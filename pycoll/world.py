@@ -11,6 +11,7 @@ from .bootstrap.store import PrefixStore, Store
 from .bootstrap.token import remove_private
 from .comm import Communicator
 from .errors import EnvError
+from .trace import recorder
 from .transports import create_transport
 
 _generation = itertools.count()  # each init() in a process gets its own namespace in the store
@@ -49,6 +50,7 @@ def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_sto
     `owned_store` is closed with the communicator."""
     membership = join(ns, job.rank, job.size, timeout)
     token, token_file = job_token(ns, job, membership, timeout)
+    recorder.agreed_token(token)  # the flight recorder's dumps name the job by it (never the token itself)
     single_host = membership.local_size == job.size
     address = "127.0.0.1" if single_host and is_loopback(job.master_addr) else None
     tr = create_transport(transport, job.rank, job.size, address, membership.hosts)

@@ -318,3 +318,20 @@ def test_mark_step_numbers_and_keeps_the_newest():
     marks = recorder.marks()
     assert len(marks) == recorder.MAX_MARKS and marks[-1][0] == first + 1 + recorder.MAX_MARKS
     assert [k for k, _ in marks] == list(range(marks[0][0], marks[-1][0] + 1))
+
+
+def test_the_agreed_token_names_the_job_without_a_launcher_id(monkeypatch):
+    """Plain torchrun or mpirun set no PYCOLL_JOB_TOKEN: the token the ranks agree on at rendezvous
+    (world.connect calls agreed_token) names the job, the same on every rank, never the token itself."""
+    from pycoll.trace import recorder
+    for var in ("PYCOLL_JOB_TOKEN", "PYCOLL_JOB_TOKEN_FILE", *recorder.JOB_ID_VARIABLES):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(recorder, "_agreed_job", None)
+    recorder.job_identity.cache_clear()
+    assert recorder.job_identity() is None
+    recorder.agreed_token(b"\x01" * 16)
+    first = recorder.job_identity()
+    recorder.agreed_token(b"\x02" * 16)
+    assert first.startswith("token-") and first != recorder.job_identity() and "0101" not in first
+    monkeypatch.setattr(recorder, "_agreed_job", None)
+    recorder.job_identity.cache_clear()

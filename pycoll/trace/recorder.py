@@ -588,18 +588,36 @@ def closing(rec: Recorder, final: bool) -> None:
 JOB_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
 
 
+_agreed_job: Optional[str] = None  # set from the token the ranks agreed on at rendezvous (agreed_token)
+
+
+def _token_identity(token: bytes) -> str:
+    return "token-" + hashlib.sha256(b"pycoll-trace-job" + token).hexdigest()[:16]
+
+
+def agreed_token(token: bytes) -> None:
+    """The job token every rank proved at rendezvous (world.connect): the job's identity from now on,
+    also where no launcher passed one in the environment (plain torchrun, mpirun)."""
+    global _agreed_job
+    _agreed_job = _token_identity(token)
+    job_identity.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def job_identity() -> Optional[str]:
     """What every rank of one job shares and another job does not, never a secret: a hash of the job
-    token (PYCOLL_JOB_TOKEN or _FILE, as `pycoll run` and the tests give it), else a launcher's job
-    id (torchrun --rdzv-id or --standalone, Slurm, Open MPI / PMIx); None when none is known."""
+    token (agreed at rendezvous, or PYCOLL_JOB_TOKEN or _FILE as `pycoll run` and the tests give it),
+    else a launcher's job id (torchrun --rdzv-id or --standalone, Slurm, Open MPI / PMIx); None when
+    none is known."""
+    if _agreed_job is not None:
+        return _agreed_job
     from ..bootstrap.token import env_token
     try:
         token = env_token()
     except Exception:  # an unreadable token file: the job would not have started; no identity then
         token = None
     if token:
-        return "token-" + hashlib.sha256(b"pycoll-trace-job" + token).hexdigest()[:16]
+        return _token_identity(token)
     for var in JOB_ID_VARIABLES:
         value = os.environ.get(var)
         if value and value != "none":
