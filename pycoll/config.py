@@ -149,8 +149,9 @@ _VARS = [
         "`pycoll.MismatchError` naming the first differing rank; every rank must set the same"),
     Var("PYCOLL_TRACE_DIR", PATH, None,
         "folder of the flight recorder: each rank writes `rank<R>.json` there when a pycoll error ends a "
-        "call, on SIGUSR1 or SIGTERM and after an uncaught exception, and keeps `rank<R>.live` (its "
-        "progress) up to date; read them with `pycoll trace DIR` (`pycoll run` sets it)"),
+        "call, on SIGUSR1 or SIGTERM, after an uncaught exception and when the job ends normally, and "
+        "keeps `rank<R>.live` (its progress) up to date; read them with `pycoll trace DIR` (`--traffic`: "
+        "what each rank sent to whom) (`pycoll run` sets it)"),
     Var("PYCOLL_TRACE_BUFFER", integer(0), "2000",
         "calls each communicator's flight recorder keeps (a ring); `0` turns recording off"),
     # -- where ranks are ---------------------------------------------------------------------
