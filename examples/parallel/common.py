@@ -109,7 +109,8 @@ def env_layout() -> Layout:
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     except (KeyError, ValueError) as e:
         raise SystemExit(f"{_prog()}: error: the launcher's variables are incomplete or not numbers ({e!r}): "
-                         f"start the job with `pycoll run -n N python {_prog()} ...` or `torchrun --nproc-per-node N ...`")
+                         f"start the job with `pycoll run -n N python {_prog()} ...` or "
+                         f"`torchrun --nproc-per-node N {_prog()} ...`")
     if not (0 <= rank < world and 0 <= local_rank < local_world and world % local_world == 0):
         raise SystemExit(f"{_prog()}: error: RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} "
                          f"LOCAL_WORLD_SIZE={local_world} do not describe hosts of equal size")
