@@ -24,8 +24,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 JOBS = os.path.join(HERE, "framework_jobs")
 TORCHRUN = shutil.which("torchrun")
-sys.path.insert(0, JOBS)
-import common  # noqa: E402  (the jobs' model, to tell trained weights from the initial ones)
+
+
+def _jobs_common():
+    """The jobs' common.py (their model: to tell trained weights from the initial ones), under a name of its
+    own: examples/parallel has a common.py too."""
+    spec = importlib.util.spec_from_file_location("framework_jobs_common", os.path.join(JOBS, "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _jobs_common()
 
 LAUNCH_TIMEOUT = 200  # seconds one launch may take (the machine is shared: a launch takes 5-25 s here)
 
@@ -37,9 +47,8 @@ def _need(module):
 
 
 def _env():
-    """This environment without a launcher's variables, one thread per rank, the jobs' folder importable."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([JOBS, ROOT, os.environ.get("PYTHONPATH", "")])}
+    """This environment without a launcher's variables, and one thread per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "PYCOLL_STORE_HOSTED", "PYCOLL_STORE_PORT", "PYCOLL_JOB_TOKEN", "TORCHELASTIC_RUN_ID",
                 "TORCH_DEVICE_BACKEND_AUTOLOAD"):
