@@ -70,7 +70,11 @@ def run_local(script: str, ranks: int, args: Sequence[str], backend: str, trace:
 def run_cluster(cluster: Cluster, script: str, ppn: int, args: Sequence[str], backend: str,
                 trace: bool = False, env: Optional[Dict[str, str]] = None, timeout: float = 600
                 ) -> Dict[str, Any]:
-    """The same job started by `pycoll run --nnodes H --node-rank i` in each emulated host."""
+    """The same job started by `pycoll run --nnodes H --node-rank i` in each emulated host. The hosts
+    share this machine's cores, so each rank computes with one thread (OMP_NUM_THREADS=1; a job's
+    common.init would give each its host's share, counting cores every namespace sees), and gloo
+    uses the host's interface (GLOO_SOCKET_IFNAME=eth0: its own hostname resolves to loopback)."""
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
     work = tempfile.mkdtemp(prefix="pycoll-par-", dir=cluster.workdir)
     out, trace_dir = os.path.join(work, "result.json"), os.path.join(work, "trace") if trace else None
     opts = ["--trace-dir", trace_dir] if trace_dir else []

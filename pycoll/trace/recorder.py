@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
 from ..errors import PeerError, TimeoutError
+from ..ops import ReduceOp
 
 QUEUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3
 STATES = ("queued", "started", "completed", "failed")
@@ -152,7 +153,13 @@ class Recorder:
         self.topology = topology  # the communicator's pycoll.topology.Topology (its members' hosts)
         self.board = board  # (slot bytes, stage bytes, peers' memory reachable): when board algorithms fall back
         self.capacity = capacity
-        self._ring: List[Optional[list]] = [None] * capacity
+        # Entries outlive their calls by 2,000 others, which the garbage collector must not notice: with
+        # torch loaded a full collection takes 130-170 ms, in the middle of a step (gloo's calls set off
+        # none). So each slot starts as a placeholder of two objects the collector counts, as an entry
+        # is (its tuple or list and the call's fingerprint), and storing an entry frees one: filling the
+        # ring adds nothing to the collector's count. Blocking calls' tuples hold nothing it tracks, so
+        # a young collection untracks them and none is ever promoted (call()). Slots past `_n` are never read.
+        self._ring: List[Any] = [([],) for _ in range(capacity)]
         self._n = 0  # entries ever recorded
         self._p2p = 0  # point-to-point calls ever entered (their call numbers)
         self._live: Optional[memoryview] = None  # int64 view of the live file, where there is one
@@ -191,10 +198,20 @@ class Recorder:
             f = None
         if f is not None and f.f_code is not _user_code:
             f = _first_outside(f)
+        # only objects the collector need not track (the algorithm and the call site's code by number,
+        # the op by its name): the tuple is then untracked at the next young collection, never promoted
+        op = fingerprint[2]
+        if op is not None:
+            fingerprint = (fingerprint[0], fingerprint[1], _OP_NAMES[op], *fingerprint[3:])
+        aid = _ALGO_IDS.get(algo)
+        code = None
+        if f is not None:
+            code = id(f.f_code)
+            if code not in _CODES:
+                _CODES[code] = f.f_code
         n = self._n
-        self._ring[n % self.capacity] = (seq, call, fingerprint, algo, COMPLETED, t, t, _time(),
-                                         None if f is None else f.f_code, 0 if f is None else f.f_lasti,
-                                         None, None)
+        self._ring[n % self.capacity] = (seq, call, fingerprint, _algo_id(algo) if aid is None else aid, COMPLETED,
+                                         t, t, _time(), code, 0 if f is None else f.f_lasti, None, None)
         self._n = n + 1
         if live is not None:
             live[self._base + _C_COMPLETED] = seq
@@ -267,6 +284,11 @@ class Recorder:
         n, cap, ring = self._n, self.capacity, list(self._ring)
         order = range(n) if n <= cap else range(n - cap, n)
         out = [list(e) for e in (ring[i % cap] for i in order) if e is not None]
+        for e in out:
+            if type(e[ALGO]) is int:  # a blocking call's algorithm and site, stored by number (call())
+                e[ALGO] = _ALGOS[e[ALGO]]
+            if type(e[FILE]) is int:
+                e[FILE] = _CODES[e[FILE]]
         ended = {(e[CALL], e[SEQ]) for e in out}
         out += [e for e in self._running() if (e[CALL], e[SEQ]) not in ended]
         out.sort(key=lambda e: e[T_ENTER])
@@ -317,6 +339,23 @@ class Recorder:
 
 
 _CALL_CODE = Recorder.call.__code__
+_OP_NAMES = {op: op.value for op in ReduceOp}
+_ALGO_IDS: Dict[Any, int] = {}  # algorithm function -> its number in _ALGOS (a ring entry stores the number)
+_ALGOS: List[Any] = []
+_CODES: Dict[int, Any] = {}  # id -> a call site's code object, kept alive so that the id stays its own
+_algo_lock = threading.Lock()
+
+
+def _algo_id(fn: Any) -> Any:
+    """`fn`'s number in _ALGOS, registered on first sight (the selector's few cached functions; past
+    4,096 distinct ones the function itself is stored)."""
+    with _algo_lock:
+        if fn not in _ALGO_IDS:
+            if len(_ALGOS) >= 4096:
+                return fn
+            _ALGO_IDS[fn] = len(_ALGOS)
+            _ALGOS.append(fn)
+        return _ALGO_IDS[fn]
 
 
 def _entry_json(e: list) -> Dict[str, Any]:
