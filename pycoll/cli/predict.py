@@ -1,15 +1,23 @@
 """`pycoll predict`: how long one training step takes on H hosts of L ranks, and why, from a workload
 recorded once (`python -m pycoll.trainer ... --report-json FILE`, or a torch DDP model through
-pycoll/predict/torch_record.py).
+pycoll/predict/torch_record.py), or from any job's flight-recorder dumps (`--trace DIR`).
 
     pycoll predict --workload rec.json --hosts 4 --ppn 2 --link-gbit 1 --link-latency-us 50
     pycoll predict --workload rec.json --hosts 8 --ppn 4 --link-gbit 10 --sweep --sweep-gbit 1,10,100
     pycoll predict --workload rec.json --measured run2.json run4.json --plot pred.png
+    pycoll predict --trace DIR                                   # replay the recorded job: predicted vs measured
+    pycoll predict --trace DIR --hosts 2 --link-gbit 1 --json    # the same job with its ranks on 2 hosts
 
 Predicted step = compute + exposed communication (bucket by bucket against backward, with the
 algorithm the tuner picks on that topology) + waiting for the slowest rank; the model is
 pycoll/predict/model.py. With --measured (the same trainer's reports of real runs) it predicts each
 of those runs from the workload alone and prints predicted, measured and the error.
+
+With --trace (a job run with PYCOLL_TRACE_DIR set, or `pycoll run --trace-dir DIR`; steps marked with
+pycoll.mark_step()) every rank's calls and compute are replayed against each other
+(pycoll/predict/trace_replay.py): with no target option the recorded run itself, its median step
+against the measured one; with --hosts, --ppn, --placement, --link-gbit, --link-latency-us,
+--topo-file, --shared-cores or --cores the same job on that cluster (pycoll/predict/trace_target.py).
 """
 from __future__ import annotations
 
@@ -20,19 +28,26 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import EnvError
+from ..predict import trace_replay, trace_target
 from ..predict.model import Prediction, Target, build_topology, placement, predict, recorded_target
 from ..predict.workload import Workload, WorkloadError, load
 from ..topology import load_topo_file, rack_of_rank
+from ..trace.analysis import TraceError
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
 from ..tuner import Link
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pycoll predict", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, metavar="FILE",
-                    help="workload record (trainer --report-json, or a torch DDP model's: pycoll/predict/torch_record.py)")
-    ap.add_argument("--hosts", type=int, default=1, help="hosts of the target cluster (default 1)")
-    ap.add_argument("--ppn", type=int, default=1, help="ranks per host (default 1)")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", metavar="FILE",
+                        help="workload record (trainer --report-json, or a torch DDP model's: "
+                             "pycoll/predict/torch_record.py)")
+    source.add_argument("--trace", metavar="DIR",
+                        help="a job's flight-recorder dumps (PYCOLL_TRACE_DIR, pycoll run --trace-dir): replay it, "
+                             "or predict it on the target the options below describe")
+    ap.add_argument("--hosts", type=int, help="hosts of the target cluster (default 1; --trace: the recorded ones)")
+    ap.add_argument("--ppn", type=int, help="ranks per host (default 1; --trace: the trace's ranks / --hosts)")
     ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")
     ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's)")
     ap.add_argument("--topo-file", metavar="T",
@@ -237,11 +252,83 @@ def plot_sweep(rows: List[Dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+TRACE_REFUSES = ("batch_size", "algo", "no_fit", "sweep", "sweep_gbit", "measured", "plot")
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    """`pycoll predict --trace DIR [target options]`."""
+    given = [f"--{name.replace('_', '-')}" for name in TRACE_REFUSES if getattr(args, name)]
+    if given:
+        print(f"pycoll predict: {', '.join(given)} work with --workload only, not with --trace", file=sys.stderr)
+        return 2
+    trace = trace_replay.load(args.trace)
+    retargeted = (args.hosts is not None or args.ppn is not None or args.placement != "packed" or args.topo_file
+                  or args.link_gbit is not None or args.link_latency_us is not None or args.shared_cores
+                  or args.cores is not None)
+    if retargeted:
+        spec = load_topo_file(args.topo_file) if args.topo_file else {}
+        recorded = trace_target.recorded_cluster(trace, trace_target.base_params(spec))
+        target = trace_target.target_cluster(
+            trace, hosts=args.hosts, ppn=args.ppn, placement=args.placement, topo_file=args.topo_file,
+            link_gbit=args.link_gbit, link_latency_us=args.link_latency_us, shared_cores=args.shared_cores,
+            cores=args.cores)
+        out = trace_target.whatif(trace, target, recorded)
+    else:
+        out = trace_replay.replay(trace)
+        out["mode"] = "replay"
+        typical = trace_replay.replay(trace, trace_replay.typical_costs(trace))
+        out["typical"] = {"step_ms": typical["step_ms"], "error": typical["error"], "durations": typical["durations"]}
+    out.pop("_timeline", None)
+    print(json.dumps(out, indent=1) if args.json else describe_trace(out))
+    return 0
+
+
+def describe_trace(out: Dict[str, Any]) -> str:
+    """The text answer of `--trace`."""
+    lines = [f"trace {out['trace']}: {out['ranks']} ranks" + (f", job {out['job']}" if out["job"] else "")]
+    lines += [f"note: {n}" for n in out["notes"]]
+    what = (f"median of {len(out['steps'])} marked steps (steps {out['steps'][0]}-{out['steps'][-1]})"
+            if out["marked"] else "the whole recorded span")
+    sp = out["split"]
+    split = (f"compute {sp['compute_ms']:.2f} + exposed comm {sp['comm_ms']:.2f} + wait {sp['wait_ms']:.2f} "
+             f"(rank {out['slowest_rank']}, the slowest in step {out['median_step']})" if out["marked"] else
+             f"compute {sp['compute_ms']:.2f} + exposed comm {sp['comm_ms']:.2f} + wait {sp['wait_ms']:.2f} "
+             f"(rank {out['slowest_rank']})")
+    if out["mode"] == "replay":
+        lines.append(f"replayed ({out['durations']}): {out['step_ms']:.2f} ms, measured {out['measured_step_ms']:.2f} "
+                     f"ms ({what}): error {out['error']:+.1%}")
+        lines.append(f"  = {split}")
+        ty = out["typical"]
+        lines.append(f"replayed with {ty['durations']}: {ty['step_ms']:.2f} ms: error {ty['error']:+.1%}")
+        return "\n".join(lines)
+    t, rec = out["target"], out["recorded"]
+    lines.append(f"target: {t['ranks']} ranks on {t['hosts']} host(s) (host of each rank {t['host_of']}), net {t['net']}"
+                 + (f", all ranks on {t['shared_cores']} shared cores" if t["shared_cores"] else
+                    f", {t['cores'][0]} cores per host"))
+    lines.append(f"predicted {out['step_ms']:.2f} ms ({what}) = {split}")
+    lines.append(f"  recorded on {rec['hosts']} host(s): measured {out['measured_step_ms']:.2f} ms, replayed "
+                 f"{out['replay_step_ms']:.2f} ms; compute x{max(out['compute_factor'].values()):.2g} for core sharing")
+    info = out["repriced"]
+    lines.append(f"  calls repriced {info['repriced']}, kept as recorded {info['kept']}"
+                 + "".join(f"; {k} x{v}" for k, v in sorted(info["algorithms"].items())))
+    if info["unmodeled"]:
+        lines.append("  kept as recorded (no model): " + ", ".join(f"{k} x{v}" for k, v in info["unmodeled"].items()))
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.hosts < 1 or args.ppn < 1:
+    if (args.hosts is not None and args.hosts < 1) or (args.ppn is not None and args.ppn < 1):
         print("pycoll predict: --hosts and --ppn must be at least 1", file=sys.stderr)
         return 2
+    if args.trace:
+        try:
+            return trace_main(args)
+        except (TraceError, EnvError, ValueError, OSError) as e:
+            print(f"pycoll predict: {e}", file=sys.stderr)
+            return 2
+    args.hosts = 1 if args.hosts is None else args.hosts
+    args.ppn = 1 if args.ppn is None else args.ppn
     try:
         w = load(args.workload)
         if args.measured:

@@ -1,0 +1,315 @@
+"""What-if for a traced job: the same programs (trace_replay.py) on another cluster.
+
+A target is where each of the trace's ranks runs (hosts: --hosts x --ppn packed or scattered, a
+placement file, or a topology file's hosts), the links (--link-gbit, --link-latency-us, a topology
+file's links, racks and uplinks) and the cores per host (--cores, --shared-cores). Each call is
+repriced where its group's placement or link changes, by the difference the model makes:
+
+    duration on the target = recorded duration + price(target) - price(recorded)
+
+so what the recording measured beyond the model (Python, wake-ups, a loaded machine) stays, and
+what the topology changes is added: a collective priced by the tuner (Tuner.call_time) for the
+algorithm the selector would run on the target group (the recorded one where the group's hosts do
+not change; a board algorithm cannot run across hosts, so a TP group that moves across hosts
+runs and pays for a network algorithm), the algorithms the tuner has no formula for (pairwise
+alltoall(v), linear gather/scatter, the barrier's) from their bytes per pair (trace/traffic.py)
+as one round of the tuner's round_time, and a point-to-point message as one message on its
+pair's link (alpha + bytes x beta). The recorded side is priced with the tuner's default links
+(or a --topo-file's "links"): a trace recorded on one host needs no net link. Compute is scaled
+per rank by its core sharing (ranks per core on its host, or over all ranks with --shared-cores)
+against the recording's (ranks per core on the machine each rank ran on).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..selection import NAMED_ONLY
+from ..topology import RankInfo, Topology, load_topo_file, rack_of_rank
+from ..trace import traffic
+from ..trace.analysis import TraceError
+from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
+from ..tuner import CALL_OVERHEAD, DEFAULT, MODELED, Link, Params, Round, Tuner, round_time
+from .trace_replay import Costs, Instance, Trace, recorded_costs
+
+
+@dataclass
+class ClusterSpec:
+    """A cluster: each global rank's host index, cores per host, racks (per host, "" none) and their
+    uplinks, the tuner's parameters, and `shared_cores` (> 0: every rank shares that many cores)."""
+
+    host_of: List[int]
+    cores: List[int]
+    params: Params
+    racks: List[str]
+    uplink_gbit: Dict[str, float]
+    shared_cores: int = 0
+
+    def topology(self, group: Sequence[int]) -> Topology:
+        """The Topology of a communicator of global ranks `group` on this cluster."""
+        infos = []
+        for g in group:
+            h = self.host_of[g]
+            rack = self.racks[h] if h < len(self.racks) else ""
+            infos.append(RankInfo(host=str(h), cores=self.cores[h] if h < len(self.cores) else 0, rack=rack,
+                                  uplink_gbit=float(self.uplink_gbit.get(rack, 0.0)) if rack else 0.0))
+        return Topology(infos)
+
+    def sharing(self, rank: int) -> float:
+        """Ranks per core where `rank` runs (at least 1)."""
+        if self.shared_cores > 0:
+            return max(1.0, len(self.host_of) / self.shared_cores)
+        h = self.host_of[rank]
+        cores = self.cores[h] if h < len(self.cores) else 0
+        return max(1.0, self.host_of.count(h) / cores) if cores else 1.0
+
+
+def base_params(topo_file: Optional[Dict[str, Any]] = None) -> Params:
+    """The tuner's default parameters, with the links a topology file declares."""
+    params = DEFAULT
+    if topo_file and "links" in topo_file:
+        from ..calibration import file_links
+        links = file_links(topo_file)
+        params = replace(params, shm=links.get("shm", params.shm), net=links.get("net", params.net))
+    return params
+
+
+def recorded_cluster(trace: Trace, params: Optional[Params] = None) -> ClusterSpec:
+    """The cluster the trace ran on: its ranks' hosts as the dumps name them, each with this
+    machine's cores (the dumps do not say how many the recording's had); ranks that ran on one
+    machine (hosts emulated in network namespaces) share its cores."""
+    index: Dict[str, int] = {}
+    host_of = [index.setdefault(trace.host_of[r], len(index)) for r in trace.ranks]
+    n = os.cpu_count() or 1
+    machines = {trace.machine_of.get(r, trace.host_of[r]) for r in trace.ranks}
+    shared = n if len(index) > 1 and len(machines) == 1 else 0
+    return ClusterSpec(host_of, [n] * len(index), params or base_params(), [""] * len(index), {}, shared)
+
+
+def target_cluster(trace: Trace, *, hosts: Optional[int] = None, ppn: Optional[int] = None,
+                   placement: str = "packed", topo_file: Optional[str] = None, link_gbit: Optional[float] = None,
+                   link_latency_us: Optional[float] = None, shared_cores: int = 0,
+                   cores: Optional[int] = None) -> ClusterSpec:
+    """The target the options describe for the trace's ranks; ValueError naming the mismatch when
+    a placement does not hold exactly the trace's ranks."""
+    n = len(trace.ranks)
+    spec: Dict[str, Any] = load_topo_file(topo_file) if topo_file else {}
+    params = base_params(spec)
+    if link_gbit is not None or link_latency_us is not None:
+        if (link_gbit is not None and link_gbit <= 0) or (link_latency_us is not None and link_latency_us < 0):
+            raise ValueError(f"--link-gbit must be > 0 and --link-latency-us >= 0 (got {link_gbit}, {link_latency_us})")
+        params = replace(params, net=Link(params.net.alpha if link_latency_us is None else link_latency_us * 1e-6,
+                                          params.net.beta if link_gbit is None else 8e-9 / link_gbit))
+    recorded = recorded_cluster(trace, params)
+    if spec.get("hosts"):
+        placed = sorted(r for ranks in spec["hosts"].values() for r in ranks)
+        if placed != list(range(n)):
+            raise ValueError(f"{topo_file}: its hosts hold ranks {placed}, the trace has ranks 0-{n - 1}: a target "
+                             "must place each of the trace's ranks once")
+        host_of = [0] * n
+        for h, name in enumerate(spec["hosts"]):
+            for r in spec["hosts"][name]:
+                host_of[r] = h
+    elif hosts is not None or ppn is not None:
+        if (hosts is None and n % ppn) or (ppn is None and n % hosts) or \
+                (hosts is not None and ppn is not None and hosts * ppn != n):
+            given = " x ".join(f"--{k} {v}" for k, v in (("hosts", hosts), ("ppn", ppn)) if v is not None)
+            raise ValueError(f"the target does not fit the trace's {n} ranks: {given} cannot place them "
+                             f"(a trace predicts the job it recorded: hosts x ppn must be {n})")
+        hosts = hosts if hosts is not None else n // ppn
+        ppn = ppn if ppn is not None else n // hosts
+        if placement in ("packed", "scattered", "interleaved"):
+            host_of = [r // ppn if placement == "packed" else r % hosts for r in range(n)]
+        else:
+            host_of = _placement_file(placement, n)
+    elif placement not in ("packed", "scattered", "interleaved"):
+        host_of = _placement_file(placement, n)
+    else:
+        host_of = list(recorded.host_of)
+    nhosts = max(host_of) + 1
+    per_host = [cores or (recorded.cores[0] if recorded.cores else 0)] * nhosts
+    for r, over in spec.get("ranks", {}).items():
+        if "cores" in over and int(r) < n:
+            per_host[host_of[int(r)]] = int(over["cores"])
+    racks, uplink = [""] * nhosts, {}
+    for r, h in enumerate(host_of):  # a host is in the rack of its first rank
+        if not racks[h] and spec:
+            racks[h], gbit = rack_of_rank(spec, r)
+            uplink[racks[h]] = gbit
+    return ClusterSpec(host_of, per_host, params, racks, uplink, shared_cores)
+
+
+def _placement_file(path: str, n: int) -> List[int]:
+    try:
+        with open(path) as fh:
+            host_of = [int(h) for h in json.load(fh)]
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"--placement {path}: not a JSON list of host indices ({e}); or use packed / scattered") \
+            from None
+    if len(host_of) != n or min(host_of) < 0:
+        raise ValueError(f"--placement {path} places {len(host_of)} ranks, the trace has {n}: a target must place "
+                         "each of the trace's ranks once (host indices from 0)")
+    return host_of
+
+
+# -- pricing ----------------------------------------------------------------------------------------
+class Pricer:
+    """Prices one call on a cluster (seconds as its caller sees it); None where nothing models it."""
+
+    def __init__(self, trace: Trace, cluster: ClusterSpec) -> None:
+        self.trace, self.cluster = trace, cluster
+        self.cache: Dict[Tuple, Tuple[Optional[float], Optional[str]]] = {}
+
+    def collective(self, inst: Instance, algo: Optional[str]) -> Tuple[Optional[float], Optional[str]]:
+        """(seconds, algorithm) of collective `inst` on this cluster: `algo`, or where None the
+        tuner's pick for the group's placement."""
+        comm = self.trace.comms[inst.comm]
+        topo = self.cluster.topology(comm["group"])
+        e = next(iter(inst.entries.values()))
+        coll = traffic.BASE.get(inst.call, inst.call)
+        key = (inst.comm, inst.call, inst.nbytes, algo, e.get("root"), topo.layout,
+               tuple(tuple(x.get("send_counts") or ()) for x in inst.entries.values()) if inst.call == "alltoallv" else ())
+        if key in self.cache:
+            return self.cache[key]
+        one_host = topo.nhosts == 1
+        board = comm.get("board") or [SLOT_BYTES, STAGE_BYTES, True]
+        tuner = Tuner(self.cluster.params, int(board[0]) if one_host else 0, int(board[1]) if one_host else 0,
+                      bool(board[2]) if one_host else False)
+        if algo is None and coll in MODELED:
+            ranked = tuner.rank(coll, inst.nbytes, topo, [a for a in MODELED[coll] if a not in NAMED_ONLY])
+            algo = ranked[0][1]
+        elif algo is None:  # (no formula: the recorded algorithm, or its fallback where no board reaches)
+            algo = _ran(self.trace, inst) if one_host else traffic.ran(
+                inst.call, e.get("algorithm") or "", 0, e.get("itemsize") or 0, len(inst.members), (0, 0, False))
+        if coll in MODELED and (algo in MODELED[coll] or algo == "hierarchical"):
+            t = tuner.call_time(coll, algo, inst.nbytes, topo)
+            out = (t if math.isfinite(t) else None, algo)
+        else:
+            out = (self._pairs_time(inst, algo, topo), algo)
+        self.cache[key] = out
+        return out
+
+    def _pairs_time(self, inst: Instance, algo: Optional[str], topo: Topology) -> Optional[float]:
+        """An algorithm without a tuner formula: its bytes per pair (every member's sends, as the
+        traffic report counts them) as one round of messages."""
+        comm = self.trace.comms[inst.comm]
+        group = comm["group"]
+        tc = traffic._Comm(list(group), [topo.hosts[h] for h in topo.host_of], None, comm.get("board"))
+        tc.topo = topo
+        pairs: Dict[Tuple[int, int], List[float]] = {}
+        for m in inst.members:
+            e = dict(inst.entries[m], algorithm=algo)
+            sent = traffic._sent(e, tc, group.index(m), {})
+            if sent is None:
+                return None
+            traffic._add(pairs, sent)
+        if not pairs:
+            return CALL_OVERHEAD
+        per_rank: Dict[int, float] = {}
+        for (a, _), (_, msgs) in pairs.items():
+            per_rank[a] = per_rank.get(a, 0.0) + msgs
+        rnd = Round(max(per_rank.values()), [(a, b, x) for (a, b), (x, _) in pairs.items()])
+        return round_time(rnd, topo.host_of, self.cluster.params, 1, topo.cores, topo.uplinks) + CALL_OVERHEAD
+
+    def message(self, inst: Instance) -> float:
+        """One point-to-point message on its pair's link."""
+        a, b = inst.members
+        same = self.cluster.host_of[a] == self.cluster.host_of[b]
+        link = self.cluster.params.shm if same else self.cluster.params.net
+        return link.alpha + inst.nbytes * link.beta
+
+
+def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Tuple[Costs, Dict[str, Any]]:
+    """The trace's costs on `target` (see the module docstring), and what was repriced: {"repriced",
+    "kept", "unmodeled": {call (algorithm): calls}, "algorithms": {"call: recorded -> target": calls}}."""
+    costs = recorded_costs(trace)
+    was, will = Pricer(trace, recorded), Pricer(trace, target)
+    info: Dict[str, Any] = {"repriced": 0, "kept": 0, "unmodeled": {}, "algorithms": {}}
+    for key, inst in trace.instances.items():
+        if inst.kind == "p2p":
+            if _same(trace, inst.members, recorded, target):
+                info["kept"] += 1
+                continue
+            delta = will.message(inst) - was.message(inst)
+        else:
+            group = trace.comms[inst.comm]["group"]
+            ran = _ran(trace, inst)
+            if _same(trace, group, recorded, target):
+                info["kept"] += 1
+                continue
+            before, _ = was.collective(inst, ran)
+            moved = not _same_hosts(group, recorded, target)
+            after, algo = will.collective(inst, None if moved else ran)
+            if before is None or after is None:
+                label = f"{inst.call} ({ran})"
+                info["unmodeled"][label] = info["unmodeled"].get(label, 0) + 1
+                continue
+            delta = after - before
+            label = f"{inst.call}: {ran} -> {algo}"
+            info["algorithms"][label] = info["algorithms"].get(label, 0) + 1
+        info["repriced"] += 1
+        times = costs.times[key]
+        for m, (h, a, o) in list(times.items()):
+            times[m] = (h, max(0.0, a + delta), o) if a >= 0 else (h, a, o)
+    costs.compute = {r: target.sharing(r) / recorded.sharing(r) for r in trace.ranks}
+    costs.source = "recorded durations, repriced for the target where a call's placement or link changes"
+    return costs, info
+
+
+def _ran(trace: Trace, inst: Instance) -> Optional[str]:
+    """The algorithm a recorded collective really ran (a board algorithm's fallback where its board
+    could not carry it)."""
+    e = next(iter(inst.entries.values()))
+    algo = e.get("algorithm")
+    if algo is None:
+        return None
+    n = len(inst.members)
+    item = e.get("itemsize") or 0
+    coll = traffic.BASE.get(inst.call, inst.call)
+    counts = traffic._per_rank(e.get("count"), n)
+    post = counts[0] * item if coll == "allgather" else traffic._total(e.get("count")) * item
+    return traffic.ran(inst.call, algo, post, item, n, trace.comms[inst.comm].get("board"))
+
+
+def _same_hosts(group: Sequence[int], a: ClusterSpec, b: ClusterSpec) -> bool:
+    """Whether `group` is split over hosts alike on both clusters (the same ranks together)."""
+    return _shape(group, a.host_of) == _shape(group, b.host_of)
+
+
+def _shape(group: Sequence[int], host_of: Sequence[int]) -> Tuple[int, ...]:
+    seen: Dict[int, int] = {}
+    return tuple(seen.setdefault(host_of[g], len(seen)) for g in group)
+
+
+def _same(trace: Trace, group: Sequence[int], a: ClusterSpec, b: ClusterSpec) -> bool:
+    """Whether a call among `group` costs the same on both clusters: the same split over hosts, and
+    where it crosses hosts the same net link and no racks on the way."""
+    if not _same_hosts(group, a, b):
+        return False
+    crosses = len({a.host_of[g] for g in group}) > 1
+    return not crosses or (a.params.net == b.params.net and a.params.flow == b.params.flow and not any(b.racks))
+
+
+def whatif(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Dict[str, Any]:
+    """The trace predicted on `target`: the replay's report (trace_replay.replay) for the repriced
+    costs, with the recorded median step, the replay of the recording and what was repriced."""
+    from .trace_replay import replay
+    costs, info = retarget(trace, target, recorded)
+    out = replay(trace, costs)
+    out["mode"] = "what-if"
+    out.pop("error")  # (the measured step is the recording's, on its own cluster)
+    for row in out["per_step"]:
+        row["recorded_ms"] = row.pop("measured_ms")
+    out["replay_step_ms"] = replay(trace)["step_ms"]
+    out["target"] = {"ranks": len(target.host_of), "hosts": max(target.host_of) + 1, "host_of": target.host_of,
+                     "cores": target.cores, "shared_cores": target.shared_cores,
+                     "net": target.params.net.describe(), "shm": target.params.shm.describe(),
+                     "racks": target.racks if any(target.racks) else None}
+    out["recorded"] = {"hosts": max(recorded.host_of) + 1, "host_of": recorded.host_of, "cores": recorded.cores,
+                       "shared_cores": recorded.shared_cores}
+    out["repriced"] = info
+    out["compute_factor"] = {r: costs.compute[r] for r in trace.ranks}
+    return out
