@@ -1,8 +1,10 @@
 """The backend's torch ProcessGroup: each of torch's collective and point-to-point calls mapped onto
-one pycoll Communicator (lists become flat buffers plus counts), returning a PycollWork."""
+one pycoll Communicator (lists become flat buffers plus counts), returning a PycollWork; a call the
+caller waits on at once (async_op=False) runs on the caller's thread and returns None."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -12,9 +14,12 @@ from ..ops import ReduceOp
 from ..torch_autoload import BACKEND
 from .options import premul, reduce_op
 from .tensors import contig, dense, flat_cat, scatter_into, sparse_bytes, sparse_sum
-from .work import PycollWork, chain, join
+from .work import PycollWork, chain
 
 _SPARSE = torch.sparse_coo
+# a torch call in pycoll's terms: the communicator's calls to make, arguments bound (async_op= is left
+# to ProcessGroupPycoll._issue), and what copies their results into torch's outputs afterwards (or None)
+Plan = Tuple[List[Callable[..., Any]], Optional[Callable[[], Any]]]
 
 
 class ProcessGroupPycoll(dist.ProcessGroup):
@@ -106,134 +111,164 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 t.copy_(sparse_sum(t, w.result()[0]))
         return PycollWork(works, tensors, post)
 
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> PycollWork:
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Optional[PycollWork]:
         return self.allreduce(tensors, opts)
 
-    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
+    def _issue(self, opts: Any, outputs: List[torch.Tensor], plan: "Plan") -> Optional[PycollWork]:
+        """Run a plan: its calls (the communicator's, arguments bound) in order, then its copy into
+        torch's outputs. With opts.asyncOp False (dist.<call>(async_op=False): the caller waits at once)
+        they run on this thread, as the blocking allreduce does, behind any queued work in call order
+        and with no hand-off to the worker thread and back: None once they succeeded (torch's wrapper
+        then has nothing to wait on), a finished Work that re-raises in wait() if one failed. Else
+        each is queued (async_op=True) and one Work over them returned."""
+        calls, post = plan
+        if opts is not None and not opts.asyncOp:
+            try:
+                for call in calls:
+                    call()
+                if post is not None:
+                    post()
+            except BaseException as e:  # wait() re-raises it, as for an async call
+                return PycollWork([], outputs, None, e)
+            return None
+        return PycollWork([call(async_op=True) for call in calls], outputs, post)
+
+    def _issue_all(self, opts: Any, outputs: List[torch.Tensor], plans: Sequence["Plan"]) -> Optional[PycollWork]:
+        """Several plans as one (the coalesced calls): every call in order, then every copy."""
+        return self._issue(opts, outputs, ([c for calls, _ in plans for c in calls], chain(*(p for _, p in plans))))
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> Optional[PycollWork]:
         (op, factor), root = reduce_op(opts), opts.rootRank
         t = tensors[opts.rootTensor]
         buf, back = contig(t)
         scaled = premul(factor, buf, in_place=False)
         if scaled is not buf:  # only root's result lands in `t`; the others keep their input
             buf, back = scaled, (lambda: t.copy_(scaled.view(t.shape)))
-        work = self.comm.reduce(buf, root=root, op=op, async_op=True)
-        return PycollWork([work], tensors, back if self.comm.rank == root else None)
+        return self._issue(opts, tensors, ([partial(self.comm.reduce, buf, root=root, op=op)],
+                                           back if self.comm.rank == root else None))
 
     def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
-                       opts: Any) -> PycollWork:
-        (op, factor), works, posts = reduce_op(opts), [], []
+                       opts: Any) -> Optional[PycollWork]:
+        (op, factor), calls, posts = reduce_op(opts), [], []
         for out, ins in zip(outputs, inputs):
             src = premul(factor, flat_cat(ins), in_place=True)  # a copy of its own already
             counts = [t.numel() for t in ins]
             buf, back = contig(out)
-            works.append(self.comm.reduce_scatter(src, out=buf, op=op, counts=counts, async_op=True))
+            calls.append(partial(self.comm.reduce_scatter, src, out=buf, op=op, counts=counts))
             posts.append(back)
-        return PycollWork(works, outputs, chain(*posts))
+        return self._issue(opts, outputs, (calls, chain(*posts)))
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PycollWork:
+    def _reduce_scatter_plan(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> "Plan":
         op, factor = reduce_op(opts)
         src = premul(factor, input if input.is_contiguous() else input.contiguous(), in_place=False)
         buf, back = contig(output)
-        work = self.comm.reduce_scatter(src, out=buf, op=op, async_op=True)
-        return PycollWork([work], [output], back)
+        return [partial(self.comm.reduce_scatter, src, out=buf, op=op)], back
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any) -> Optional[PycollWork]:
+        return self._issue(opts, [output], self._reduce_scatter_plan(output, input, opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                                        opts: Any) -> PycollWork:
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return join(works, outputs)
+                                        opts: Any) -> Optional[PycollWork]:
+        return self._issue_all(opts, outputs, [self._reduce_scatter_plan(o, i, opts)
+                                               for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement --------------------------------------------------------------------------
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> PycollWork:
-        works, posts = [], []
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> Optional[PycollWork]:
+        calls, posts = [], []
         for t in tensors:
             buf, back = contig(t)
-            works.append(self.comm.broadcast(buf, root=opts.rootRank, async_op=True))
+            calls.append(partial(self.comm.broadcast, buf, root=opts.rootRank))
             posts.append(back)
-        return PycollWork(works, tensors, chain(*posts))
+        return self._issue(opts, tensors, (calls, chain(*posts)))
+
+    def _allgather_plan(self, outs: List[torch.Tensor], inp: torch.Tensor) -> "Plan":
+        src = inp if inp.is_contiguous() else inp.contiguous()
+        counts = [o.numel() for o in outs]
+        gathered = torch.empty(sum(counts), dtype=inp.dtype)
+        if len(set(counts)) == 1:
+            call = partial(self.comm.allgather, src, out=gathered)
+        else:
+            call = partial(self.comm.allgatherv, src, counts, out=gathered)
+        return [call], scatter_into(gathered, outs)
 
     def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
-                  opts: Any = None) -> PycollWork:
-        works, posts = [], []
-        for outs, inp in zip(outputs, inputs):
-            src = inp if inp.is_contiguous() else inp.contiguous()
-            counts = [o.numel() for o in outs]
-            gathered = torch.empty(sum(counts), dtype=inp.dtype)
-            if len(set(counts)) == 1:
-                works.append(self.comm.allgather(src, out=gathered, async_op=True))
-            else:
-                works.append(self.comm.allgatherv(src, counts, out=gathered, async_op=True))
-            posts.append(scatter_into(gathered, outs))
-        return PycollWork(works, [o for outs in outputs for o in outs], chain(*posts))
+                  opts: Any = None) -> Optional[PycollWork]:
+        return self._issue_all(opts, [o for outs in outputs for o in outs],
+                               [self._allgather_plan(outs, inp) for outs, inp in zip(outputs, inputs)])
 
     def allgather_coalesced(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
-                            opts: Any = None) -> PycollWork:
+                            opts: Any = None) -> Optional[PycollWork]:
         """outputs[r][j] receives rank r's inputs[j] (c10d's layout: one list per rank, as gloo)."""
-        works = [self.allgather([[per_rank[j] for per_rank in outputs]], [inp], opts)
-                 for j, inp in enumerate(inputs)]
-        return join(works, [o for outs in outputs for o in outs])
+        return self._issue_all(opts, [o for outs in outputs for o in outs],
+                               [self._allgather_plan([per_rank[j] for per_rank in outputs], inp)
+                                for j, inp in enumerate(inputs)])
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PycollWork:
+    def _all_gather_single_plan(self, output: torch.Tensor, input: torch.Tensor) -> "Plan":
         src = input if input.is_contiguous() else input.contiguous()
         buf, back = contig(output)
-        work = self.comm.allgather(src, out=buf, async_op=True)
-        return PycollWork([work], [output], back)
+        return [partial(self.comm.allgather, src, out=buf)], back
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> Optional[PycollWork]:
+        return self._issue(opts, [output], self._all_gather_single_plan(output, input))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                                    opts: Any = None) -> PycollWork:
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return join(works, outputs)
+                                    opts: Any = None) -> Optional[PycollWork]:
+        return self._issue_all(opts, outputs, [self._all_gather_single_plan(o, i)
+                                               for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Optional[List[int]], input_split_sizes: Optional[List[int]],
-                          opts: Any = None) -> PycollWork:
+                          opts: Any = None) -> Optional[PycollWork]:
         src = input if input.is_contiguous() else input.contiguous()
         buf, back = contig(output)
         if not output_split_sizes and not input_split_sizes:
-            work = self.comm.alltoall(src, out=buf, async_op=True)
-        else:
-            n = self.comm.size
-            in_row = src.numel() // max(src.shape[0], 1) if src.dim() else 1
-            out_row = buf.numel() // max(buf.shape[0], 1) if buf.dim() else 1
-            sc = [s * in_row for s in input_split_sizes] if input_split_sizes else [src.numel() // n] * n
-            rc = [s * out_row for s in output_split_sizes] if output_split_sizes else [buf.numel() // n] * n
-            work = self.comm.alltoallv(src, sc, rc, out=buf, async_op=True)
-        return PycollWork([work], [output], back)
+            return self._issue(opts, [output], ([partial(self.comm.alltoall, src, out=buf)], back))
+        n = self.comm.size
+        in_row = src.numel() // max(src.shape[0], 1) if src.dim() else 1
+        out_row = buf.numel() // max(buf.shape[0], 1) if buf.dim() else 1
+        sc = [s * in_row for s in input_split_sizes] if input_split_sizes else [src.numel() // n] * n
+        rc = [s * out_row for s in output_split_sizes] if output_split_sizes else [buf.numel() // n] * n
+        return self._issue(opts, [output], ([partial(self.comm.alltoallv, src, sc, rc, out=buf)], back))
 
     alltoall_base = all_to_all_single
 
-    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None) -> PycollWork:
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                 opts: Any = None) -> Optional[PycollWork]:
         src = flat_cat(inputs)
         sc, rc = [t.numel() for t in inputs], [t.numel() for t in outputs]
         gathered = torch.empty(sum(rc), dtype=src.dtype)
-        work = self.comm.alltoallv(src, sc, rc, out=gathered, async_op=True)
-        return PycollWork([work], outputs, scatter_into(gathered, outputs))
+        return self._issue(opts, outputs, ([partial(self.comm.alltoallv, src, sc, rc, out=gathered)],
+                                           scatter_into(gathered, outputs)))
 
-    def gather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> PycollWork:
+    def gather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+               opts: Any) -> Optional[PycollWork]:
         root, inp = opts.rootRank, inputs[0]
         src = inp if inp.is_contiguous() else inp.contiguous()
         if self.comm.rank == root:
             gathered = torch.empty(self.comm.size * src.numel(), dtype=src.dtype)
-            work = self.comm.gather(src, root=root, out=gathered, async_op=True)
-            return PycollWork([work], outputs[0], scatter_into(gathered, outputs[0]))
-        return PycollWork([self.comm.gather(src, root=root, async_op=True)], [])
+            return self._issue(opts, outputs[0], ([partial(self.comm.gather, src, root=root, out=gathered)],
+                                                  scatter_into(gathered, outputs[0])))
+        return self._issue(opts, [], ([partial(self.comm.gather, src, root=root)], None))
 
-    def scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any) -> PycollWork:
+    def scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
+                opts: Any) -> Optional[PycollWork]:
         root = opts.rootRank
         buf, back = contig(outputs[0])
         src = flat_cat(inputs[0]).to(buf.dtype) if self.comm.rank == root else None
-        work = self.comm.scatter(src, root=root, out=buf, async_op=True)
-        return PycollWork([work], outputs, back)
+        return self._issue(opts, outputs, ([partial(self.comm.scatter, src, root=root, out=buf)], back))
 
-    def barrier(self, opts: Any = None) -> PycollWork:
-        return PycollWork([self.comm.barrier(async_op=True)], [])
+    def barrier(self, opts: Any = None) -> Optional[PycollWork]:
+        return self._issue(opts, [], ([self.comm.barrier], None))
 
     # -- point to point -------------------------------------------------------------------------
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> PycollWork:

@@ -126,12 +126,3 @@ def _unwrap(fut: "torch.futures.Future[Any]") -> Any:
     """The value of the future completed above, raising its error as an error (get_future)."""
     return fut.wait()
 
-
-def join(works: List[PycollWork], outputs: List[torch.Tensor]) -> PycollWork:
-    """One Work over several of ours (each already queued in order on the communicator): their
-    pycoll Works in order, then each one's copy-back."""
-    failed = [w._error for w in works if not w._works and w._error is not None]
-    parts = [p for w in works for p in w._works]
-    if failed or not parts:
-        return PycollWork([], outputs, None, failed[0] if failed else None)
-    return PycollWork(parts, outputs, chain(*(w._post for w in works)))
