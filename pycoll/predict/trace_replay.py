@@ -586,16 +586,20 @@ def replay(trace: Trace, costs: Optional[Costs] = None) -> Dict[str, Any]:
     costs = costs or recorded_costs(trace)
     tl = simulate(trace, costs)
     times = step_times(trace, tl)
-    step = _median([max(row.values()) for row in times.values()])
-    k = min(times, key=lambda s: abs(max(times[s].values()) - step))
+    order = sorted(times, key=lambda s: max(times[s].values()))
+    middle = order[(len(order) - 1) // 2:len(order) // 2 + 1]  # the median step, or the two around it
+    step = _median([max(times[s].values()) for s in middle])
     measured = _median(trace.measured_steps())
-    slowest = max(times[k], key=times[k].get)
-    c, m, w = tl.split[slowest].get(k, [0.0, 0.0, 0.0])
-    other = step - (c + m + w)  # (the step's share of a span blocked across its mark, before its first op)
+    parts = []
+    for s in middle:  # each middle step's split on its slowest rank (what is left: a span's start before
+        slowest = max(times[s], key=times[s].get)  # the rank's first call, counted as waiting)
+        c, m, w = tl.split[slowest].get(s, [0.0, 0.0, 0.0])
+        parts.append((c, m, w + max(0.0, times[s][slowest] - (c + m + w)), slowest))
+    c, m, w = (_median([p[i] for p in parts]) for i in range(3))
     return {"trace": trace.folder, "job": trace.job, "ranks": len(trace.ranks), "marked": trace.marked,
             "steps": trace.steps if trace.marked else [], "notes": list(trace.notes), "durations": costs.source,
-            "step_ms": step * 1e3, "median_step": k, "slowest_rank": slowest,
-            "split": {"compute_ms": c * 1e3, "comm_ms": (m + max(0.0, other)) * 1e3, "wait_ms": w * 1e3},
+            "step_ms": step * 1e3, "median_step": middle[0], "slowest_rank": parts[0][3],
+            "split": {"compute_ms": c * 1e3, "comm_ms": m * 1e3, "wait_ms": w * 1e3},
             "measured_step_ms": measured * 1e3,
             "error": (step - measured) / measured if measured > 0 else None,
             "per_step": [{"step": s, "predicted_ms": max(times[s].values()) * 1e3,
