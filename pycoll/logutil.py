@@ -1,10 +1,40 @@
-"""Rate-limited warnings: a stranger hammering a port must not flood the job's logs."""
+"""pycoll's logging conventions: warnings always reach the application's logging (rate-limited where
+a stranger hammering a port could flood the job's logs); what pycoll decides on its own (the tuner's
+calibration, each algorithm choice) only when PYCOLL_DEBUG asks for it, as NCCL prints its choices
+only under NCCL_DEBUG=INFO, whatever level the application sets its own loggers to."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from typing import Any, Callable
+
+from . import config
+
+
+def asked_for_info() -> bool:
+    """Whether PYCOLL_DEBUG asks for pycoll's INFO lines (INFO or TRACE)."""
+    return config.get("PYCOLL_DEBUG") in ("INFO", "TRACE")
+
+
+class _OnlyWhenAsked(logging.Filter):
+    """Drops a logger's records below WARNING unless PYCOLL_DEBUG asks for them (read per record:
+    such records are rare, and a job may set the variable after import)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or asked_for_info()
+
+
+_ONLY_WHEN_ASKED = _OnlyWhenAsked()
+
+
+def quiet_unless_asked(logger: logging.Logger) -> logging.Logger:
+    """`logger`, its INFO and DEBUG records let through only under PYCOLL_DEBUG=INFO/TRACE: an
+    application that sets the root logger to INFO (Ray Train's workers, many scripts) sees pycoll's
+    warnings, not a line per algorithm choice. Idempotent."""
+    if _ONLY_WHEN_ASKED not in logger.filters:
+        logger.addFilter(_ONLY_WHEN_ASKED)
+    return logger
 
 
 class RateLimitedLog:

@@ -11,8 +11,13 @@ import importlib
 from . import config
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
+from .logutil import quiet_unless_asked
 from .topology import Topology
-from .tuner import MODELED, Tuner, info_log
+from .tuner import MODELED, Tuner, info_log, log as tuner_log
+
+# the tuner's logger (each choice below, and calibration's line) speaks at INFO only under
+# PYCOLL_DEBUG=INFO/TRACE, not whenever the application's root logger is at INFO
+quiet_unless_asked(tuner_log)
 
 # collective -> algorithm -> "module:function" in pycoll.algorithms (resolved on first use)
 IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
