@@ -199,8 +199,8 @@ def test_replay_of_a_recorded_job(tmp_path, capsys, case):
 @pytest.mark.timeout(300)
 def test_replay_of_hybrid_on_four_ranks(tmp_path, capsys):
     pytest.importorskip("torch")
-    for where in ("--tp-inside-host", "--tp-across-hosts"):
-        folder = record(tmp_path / where.strip("-"), 4, os.path.join(JOBS, "hybrid.py"), *QUICK, where)
+    for style in ("fsdp", "ddp"):  # (2 x 2: TP inside the host, FSDP2 or DDP along dp)
+        folder = record(tmp_path / style, 4, os.path.join(JOBS, "hybrid.py"), *QUICK, "--dp-style", style)
         rc, answer, err = predict(capsys, "--trace", folder)
         assert rc == 0, err
         assert_replayed(answer)

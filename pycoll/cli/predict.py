@@ -294,13 +294,14 @@ def describe_trace(out: Dict[str, Any]) -> str:
              f"(rank {out['slowest_rank']}, the slowest in step {out['median_step']})" if out["marked"] else
              f"compute {sp['compute_ms']:.2f} + exposed comm {sp['comm_ms']:.2f} + wait {sp['wait_ms']:.2f} "
              f"(rank {out['slowest_rank']})")
+    lines_why = _why_lines(out["why"], out["marked"])
     if out["mode"] == "replay":
         lines.append(f"replayed ({out['durations']}): {out['step_ms']:.2f} ms, measured {out['measured_step_ms']:.2f} "
                      f"ms ({what}): error {out['error']:+.1%}")
         lines.append(f"  = {split}")
         ty = out["typical"]
         lines.append(f"replayed with {ty['durations']}: {ty['step_ms']:.2f} ms: error {ty['error']:+.1%}")
-        return "\n".join(lines)
+        return "\n".join(lines + lines_why)
     t, rec = out["target"], out["recorded"]
     lines.append(f"target: {t['ranks']} ranks on {t['hosts']} host(s) (host of each rank {t['host_of']}), net {t['net']}"
                  + (f", all ranks on {t['shared_cores']} shared cores" if t["shared_cores"] else
@@ -313,7 +314,28 @@ def describe_trace(out: Dict[str, Any]) -> str:
                  + "".join(f"; {k} x{v}" for k, v in sorted(info["algorithms"].items())))
     if info["unmodeled"]:
         lines.append("  kept as recorded (no model): " + ", ".join(f"{k} x{v}" for k, v in info["unmodeled"].items()))
-    return "\n".join(lines)
+    return "\n".join(lines + lines_why)
+
+
+PATH_LINES = 24  # the text answer shows this many items of a critical path (--json: all of them)
+
+
+def _why_lines(why: Dict[str, Any], marked: bool) -> List[str]:
+    """The critical path of the median step and who waited for whom, as text."""
+    path = why["critical_path"]
+    what = f"step {why['step']}" if marked else "the span"
+    lines = [f"why: the critical path of {what} (ending on rank {why['rank']}): compute {why['path_compute_ms']:.2f} ms"
+             f" + calls {why['path_comm_ms']:.2f} ms, in order (ms from the step's start):"]
+    shown = path if len(path) <= PATH_LINES else path[:PATH_LINES // 2] + [None] + path[-PATH_LINES // 2:]
+    for p in shown:
+        if p is None:
+            lines.append(f"    ... {len(path) - PATH_LINES} more (--json has them all)")
+            continue
+        lines.append(f"  {p['t0_ms']:9.2f} {p['t1_ms']:9.2f}  rank {p['rank']:<4} {p['what']}")
+    for r, peers in why["waiting_for_ms"].items():
+        lines.append(f"  rank {r} waited for " + ", ".join(f"rank {p} {ms:.2f} ms" for p, ms in
+                                                          sorted(peers.items(), key=lambda kv: -kv[1])))
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:

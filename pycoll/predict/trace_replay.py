@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -404,6 +405,7 @@ class Blocked:
     t1: float
     wait: float
     last: int
+    step: int
 
 
 @dataclass
@@ -444,56 +446,61 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
             return (m, inst.comm, "coll")
         return (m, inst.comm, "p2p") if inst.queued[m] else None
 
-    def resolvable(inst: Instance) -> bool:
-        for m in inst.members:
-            if m not in issued[inst.key]:
-                return False
-            lane = lane_of(inst, m)
-            if lane is not None and lanes[lane][lane_pos[lane]] != inst.key:
-                return False
-        return True
-
     def resolve(inst: Instance) -> List[Instance]:
-        cost = costs.times[inst.key]
-        rd = {}
-        for m in inst.members:
-            lane = lane_of(inst, m)
-            free = lane_end.get(lane, -math.inf) if lane is not None and inst.kind == "coll" else -math.inf
-            rd[m] = max(issued[inst.key][m], free) + cost[m][0]
-        s = max(rd.values())
-        out = {}
-        for m in inst.members:
-            h, after, own = cost[m]
-            e = s + after if after >= 0 else rd[m] + own
-            lane = lane_of(inst, m)
-            if lane is not None and inst.kind == "p2p":  # the p2p queue waits on its requests in order
-                e = max(e, lane_end.get(lane, -math.inf))
-            out[m] = max(e, rd[m])
-        ready[inst.key], ends[inst.key], start[inst.key] = rd, out, s
-        nxt = []
-        for m in inst.members:
-            lane = lane_of(inst, m)
-            if lane is not None:
-                lane_end[lane] = max(lane_end.get(lane, -math.inf), out[m])
-                lane_pos[lane] += 1
-                if lane_pos[lane] < len(lanes[lane]):
-                    nxt.append(trace.instances[lanes[lane][lane_pos[lane]]])
+        """Settle what can be settled of `inst`, member by member: a member is ready once it issued
+        the call and its queue reached it (a collective's queue also waits for the call before to
+        end); it ends `after` the last member was ready, or, where it did not wait for that (an
+        eager send, a scatter's root), `own` after it was ready itself; a p2p queue records
+        completions in posting order. Returns the instances next on the queues it moved."""
+        key, cost, coll = inst.key, costs.times[inst.key], inst.kind == "coll"
+        rd, en = ready.setdefault(key, {}), ends.setdefault(key, {})
+        nxt: List[Instance] = []
+        moved = True
+        while moved:
+            moved = False
+            for m in inst.members:
+                lane = lane_of(inst, m)
+                if m in en or m not in issued[key] or (lane is not None and lanes[lane][lane_pos[lane]] != key):
+                    continue
+                if m not in rd:
+                    free = lane_end.get(lane, -math.inf) if coll else -math.inf
+                    rd[m] = max(issued[key][m], free) + cost[m][0]
+                    moved = True
+                    if len(rd) == len(inst.members):
+                        start[key] = max(rd.values())
+                _, after, own = cost[m]
+                if after >= 0 and key not in start:
+                    continue
+                e = max(start[key] + after if after >= 0 else rd[m] + own, rd[m])
+                if lane is not None:
+                    if not coll:
+                        e = max(e, lane_end.get(lane, -math.inf))
+                    lane_end[lane] = e
+                    lane_pos[lane] += 1
+                    if lane_pos[lane] < len(lanes[lane]):
+                        nxt.append(trace.instances[lanes[lane][lane_pos[lane]]])
+                en[m] = e
+                moved = True
         return nxt
 
     def settle(inst: Instance) -> None:
         work = [inst]
         while work:
-            i = work.pop()
-            if i.key not in ends and resolvable(i):
-                work.extend(resolve(i))
+            work.extend(resolve(work.pop()))
+
+    def done(key: Key, r: int) -> bool:
+        return r in ends.get(key, ())
 
     def block_on(r: int, key: Key) -> None:
         t0, t1 = t[r], max(t[r], ends[key][r])
         if t1 > t0:
-            others = {m: v for m, v in ready[key].items() if m != r}
+            rd = ready[key]
+            others = {m: v for m, v in rd.items() if m != r}
             last = max(others, key=others.get) if others else r
-            wait = min(max(0.0, start[key] - t0), t1 - t0) if last != r and ready[key][last] > ready[key][r] else 0.0
-            blocked[r].append(Blocked(r, key, t0, t1, wait, last))
+            wait = 0.0
+            if key in start and last != r and rd[last] > rd[r]:
+                wait = min(max(0.0, start[key] - t0), t1 - t0)
+            blocked[r].append(Blocked(r, key, t0, t1, wait, last, step[r]))
             s = split[r][step[r]]
             s[1] += t1 - t0 - wait
             s[2] += wait
@@ -519,18 +526,18 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
                         issued[op.key][r] = t[r]
                         settle(trace.instances[op.key])
                     if op.block:
-                        if op.key not in ends:
+                        if not done(op.key, r):
                             break
                         block_on(r, op.key)
                 else:  # wait
-                    if op.key not in ends:
+                    if not done(op.key, r):
                         break
                     block_on(r, op.key)
                 pc[r] += 1
                 progress = True
     stuck = [r for r in ranks if pc[r] < len(trace.programs[r])]
     if stuck:
-        what = "; ".join(f"rank {r} at {_describe(trace, trace.programs[r][pc[r]].key)}" for r in stuck[:8])
+        what = "; ".join(f"rank {r} at {_describe(trace, trace.programs[r][pc[r]].key, r)}" for r in stuck[:8])
         raise TraceError(f"the replay cannot go on: {what} (the dumps do not describe one consistent run)")
     return Timeline(marks, dict(t), {r: dict(s) for r, s in split.items()}, blocked, computed, ready, ends, start)
 
@@ -548,14 +555,19 @@ def _lanes(trace: Trace) -> Dict[Tuple[int, str, str], List[Key]]:
     return {lane: [k for _, k in sorted(items)] for lane, items in lanes.items()}
 
 
-def _describe(trace: Trace, key: Optional[Key]) -> str:
+def _describe(trace: Trace, key: Optional[Key], rank: Optional[int] = None) -> str:
+    """A call as its rank made it: 'allreduce call 7 on world (count 8192, float32, op sum)',
+    'irecv from 0 (tag 0, count 2048, float32) on world'."""
     if key is None:
         return "?"
     inst = trace.instances[key]
     name = trace.comms[inst.comm]["name"]
     if inst.kind == "coll":
-        return f"{inst.call} call {key[2]} on {name} ({analysis.describe_call(next(iter(inst.entries.values())))})"
-    return f"{inst.call} {key[2]} -> {key[3]} tag {key[4]} on {name}"
+        inner = analysis.describe_call(next(iter(inst.entries.values())))[len(inst.call):].strip()
+        return f"{inst.call} call {key[2]} on {name}" + (f" {inner}" if inner else "")
+    e = inst.entries[rank if rank in inst.entries else key[2]]
+    peer = key[2] if rank == key[3] else key[3]
+    return f"{e['call']} {'from' if rank == key[3] else 'to'} {peer} (tag {key[4]}, count {e.get('count')}) on {name}"
 
 
 # -- steps ------------------------------------------------------------------------------------------
@@ -578,6 +590,78 @@ def step_times(trace: Trace, tl: Timeline) -> Dict[int, Dict[int, float]]:
 
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
+
+
+# -- why -------------------------------------------------------------------------------------------
+def waiting_for(tl: Timeline, step: int) -> Dict[int, Dict[int, float]]:
+    """rank -> the rank it waited for -> seconds, in step `step` (time blocked in a call before the
+    last member was ready for it, charged to that member)."""
+    out: Dict[int, Dict[int, float]] = {}
+    for r, spans in tl.blocked.items():
+        for b in spans:
+            if b.step == step and b.wait > 0:
+                out.setdefault(r, {})
+                out[r][b.last] = out[r].get(b.last, 0.0) + b.wait
+    return out
+
+
+def critical_path(trace: Trace, tl: Timeline, step: int, rank: int) -> List[Dict[str, Any]]:
+    """What step `step` of `rank` waited on, in order: walking back from its end, a rank's compute,
+    a call it was blocked in, and where a call waited for a later member, on to that member at the
+    moment it issued the call (or its queue freed up). Consecutive compute of one rank is merged.
+    Each item: {"rank", "kind": "compute" | "call", "what", "t0_ms", "t1_ms"} from the step's start."""
+    first = min(trace.begin.values())
+    start = tl.marks[rank].get(step - 1, trace.begin[rank] - first) if trace.marked else 0.0
+    end = tl.marks[rank][step] if trace.marked else tl.end[rank]
+    segs: Dict[int, List[Tuple[float, float, str, Any]]] = {}
+    for r in trace.ranks:
+        items = [(a, b, "compute", None) for a, b, _ in tl.computed[r] if b > a]
+        items += [(b.t0, b.t1, "call", b) for b in tl.blocked[r]]
+        segs[r] = sorted(items, key=lambda x: (x[1], x[0]))
+    path: List[Dict[str, Any]] = []
+    r, t, eps = rank, end, 1e-9
+    for _ in range(100000):
+        if t <= start + eps:
+            break
+        ends = [x[1] for x in segs[r]]
+        i = bisect_right(ends, t + eps) - 1
+        if i < 0:
+            break
+        a, b, kind, blk = segs[r][i]
+        if b <= start + eps:
+            break
+        if kind == "compute":
+            path.append({"rank": r, "kind": "compute", "what": "compute", "t0": max(a, start), "t1": b})
+            t = a
+            continue
+        inst_start = tl.start[blk.key]
+        path.append({"rank": r, "kind": "call", "what": _describe(trace, blk.key, r),
+                     "t0": max(inst_start if blk.wait > 0 else a, start), "t1": b})
+        if blk.wait > 0 and blk.last != r:
+            r, t = blk.last, tl.ready[blk.key][blk.last]
+        else:
+            t = a
+    path.reverse()
+    merged: List[Dict[str, Any]] = []
+    for item in path:
+        if merged and item["kind"] == "compute" and merged[-1]["kind"] == "compute" and merged[-1]["rank"] == item["rank"]:
+            merged[-1]["t1"] = item["t1"]
+        else:
+            merged.append(dict(item))
+    for item in merged:
+        item["t0_ms"], item["t1_ms"] = (item.pop("t0") - start) * 1e3, (item.pop("t1") - start) * 1e3
+    return merged
+
+
+def why(trace: Trace, tl: Timeline, step: int, rank: int) -> Dict[str, Any]:
+    """The critical path of step `step` (ending on `rank`, its slowest) and every rank's waiting for
+    whom in it, with the path's compute and communication in total."""
+    path = critical_path(trace, tl, step, rank)
+    return {"step": step, "rank": rank, "critical_path": path,
+            "path_compute_ms": sum(p["t1_ms"] - p["t0_ms"] for p in path if p["kind"] == "compute"),
+            "path_comm_ms": sum(p["t1_ms"] - p["t0_ms"] for p in path if p["kind"] == "call"),
+            "waiting_for_ms": {r: {p: s * 1e3 for p, s in sorted(w.items())}
+                               for r, w in sorted(waiting_for(tl, step).items())}}
 
 
 def replay(trace: Trace, costs: Optional[Costs] = None) -> Dict[str, Any]:
@@ -604,4 +688,5 @@ def replay(trace: Trace, costs: Optional[Costs] = None) -> Dict[str, Any]:
             "error": (step - measured) / measured if measured > 0 else None,
             "per_step": [{"step": s, "predicted_ms": max(times[s].values()) * 1e3,
                           "measured_ms": max(trace.measured[s].values()) * 1e3} for s in trace.steps],
+            "why": why(trace, tl, middle[0], parts[0][3]),
             "_timeline": tl}
