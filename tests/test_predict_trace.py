@@ -94,6 +94,13 @@ def test_replay_follows_the_dependencies():
     assert [round(b.wait * 1e3, 6) for b in tl.blocked[0][:2]] == [2.0, 2.0]
     assert all(b.last == 1 for b in tl.blocked[0][:2])
 
+    # why: step 2 waited on rank 1's 3 ms of compute, then the allreduce; rank 0 waited 2 ms for rank 1
+    why = out["why"]
+    assert why["step"] == 2
+    path = [(p["rank"], p["kind"], round(p["t0_ms"], 6), round(p["t1_ms"], 6)) for p in why["critical_path"]]
+    assert path == [(1, "compute", 0.0, 3.0), (why["rank"], "call", 3.0, 3.5)], path
+    assert why["waiting_for_ms"] == {0: {1: pytest.approx(2.0)}}
+
     # rank 1 computing twice as slowly: each allreduce starts 3 ms later for both ranks
     costs = trace_replay.recorded_costs(trace)
     costs.compute[1] = 2.0
