@@ -73,7 +73,8 @@ class Instance:
         if self.kind == "p2p":
             return traffic._total(e.get("count")) * item
         if e["call"] == "alltoallv":
-            return sum(sum(x.get("send_counts") or []) for x in self.entries.values()) * item // max(1, len(self.members))
+            sent = sum(sum(x.get("send_counts") or []) for x in self.entries.values())
+            return sent * item // max(1, len(self.members))
         counts = traffic._per_rank(e.get("count"), len(self.members))
         coll = traffic.BASE.get(e["call"], e["call"])
         return (sum(counts) if coll == "allgather" else traffic._total(e.get("count"))) * item
@@ -138,7 +139,8 @@ def build(dumps: Dict[int, dict], folder: str = "") -> Trace:
     ranks = sorted(set(dumps) | {g for c in comms.values() for g in c["group"]})
     missing = [r for r in ranks if r not in dumps]
     if missing:
-        raise TraceError(f"ranks {analysis._span(missing)} of the job's {len(ranks)} left no dump in {folder or 'the folder'} "
+        raise TraceError(f"ranks {analysis._span(missing)} of the job's {len(ranks)} left no dump in "
+                         f"{folder or 'the folder'} "
                          f"(dumps of ranks {analysis._span(sorted(dumps))}): a replay needs every rank's calls "
                          "(a rank that died or was killed dumps nothing; `pycoll trace DIR` says which)")
     host_of: Dict[int, str] = {r: d["host_id"] for r, d in dumps.items() if d.get("host_id")}
@@ -369,7 +371,8 @@ def recorded_costs(trace: Trace) -> Costs:
 def signature(inst: Instance) -> Tuple[Any, ...]:
     """What makes calls alike: communicator, call, bytes, algorithm (alltoallv: its counts too)."""
     e = next(iter(inst.entries.values()))
-    extra = tuple(tuple(inst.entries[m].get("send_counts") or ()) for m in inst.members) if inst.call == "alltoallv" else ()
+    extra = tuple(tuple(inst.entries[m].get("send_counts") or ()) for m in inst.members) \
+        if inst.call == "alltoallv" else ()
     return (inst.kind, inst.comm, inst.call, inst.nbytes, e.get("algorithm"), e.get("root"), e.get("tag"), extra)
 
 
@@ -385,7 +388,8 @@ def typical_costs(trace: Trace) -> Costs:
     for alike in groups.values():
         for pos, m in enumerate(alike[0].members):
             ms = [i.members[pos] for i in alike]
-            med = tuple(statistics.fmean([getattr(i, f)[mm] for i, mm in zip(alike, ms)]) for f in ("handoff", "after", "own"))
+            med = tuple(statistics.fmean([getattr(i, f)[mm] for i, mm in zip(alike, ms)])
+                        for f in ("handoff", "after", "own"))
             for i, mm in zip(alike, ms):
                 after = i.after[mm]
                 # a member that did not wait for the last one keeps that shape (an eager send stays eager)
@@ -644,8 +648,9 @@ def critical_path(trace: Trace, tl: Timeline, step: int, rank: int) -> List[Dict
     path.reverse()
     merged: List[Dict[str, Any]] = []
     for item in path:
-        if merged and item["kind"] == "compute" and merged[-1]["kind"] == "compute" and merged[-1]["rank"] == item["rank"]:
-            merged[-1]["t1"] = item["t1"]
+        last = merged[-1] if merged else None
+        if last and item["kind"] == last["kind"] == "compute" and last["rank"] == item["rank"]:
+            last["t1"] = item["t1"]
         else:
             merged.append(dict(item))
     for item in merged:

@@ -170,8 +170,9 @@ class Pricer:
         topo = self.cluster.topology(comm["group"])
         e = next(iter(inst.entries.values()))
         coll = traffic.BASE.get(inst.call, inst.call)
-        key = (inst.comm, inst.call, inst.nbytes, algo, e.get("root"), topo.layout,
-               tuple(tuple(x.get("send_counts") or ()) for x in inst.entries.values()) if inst.call == "alltoallv" else ())
+        counts = tuple(tuple(x.get("send_counts") or ()) for x in inst.entries.values()) \
+            if inst.call == "alltoallv" else ()
+        key = (inst.comm, inst.call, inst.nbytes, algo, e.get("root"), topo.layout, counts)
         if key in self.cache:
             return self.cache[key]
         one_host = topo.nhosts == 1
