@@ -218,10 +218,13 @@ def _windows(dumps: Dict[int, dict]) -> Tuple[bool, List[int], Dict[int, Tuple[f
     if not run:
         raise TraceError("no step that every rank marked is held whole by every rank's flight recorder "
                          "(raise PYCOLL_TRACE_BUFFER, or mark steps with pycoll.mark_step())")
-    left = len(whole) - len(run) - (1 if whole and whole[0] == 1 and run[0] != 1 else 0)
-    if left > 0:
-        notes.append(f"{left} marked steps are left out (the recorders no longer hold all their calls, or the "
-                     "marks skip)")
+    lost = len([k for k in common if k not in whole and k != 1])
+    if lost:
+        notes.append(f"{lost} earlier marked steps are left out: the recorders no longer hold all their calls "
+                     f"(a ring keeps PYCOLL_TRACE_BUFFER calls per communicator); predicted from the {len(run)} kept")
+    skipped = len([k for k in whole if k not in run and k != 1])
+    if skipped:
+        notes.append(f"{skipped} marked steps after a gap in the marks are left out")
     bounds = {r: (spans[r][run[0]][0], spans[r][run[-1]][1]) for r in dumps}
     return True, run, bounds, notes
 
