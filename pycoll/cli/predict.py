@@ -48,15 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "or predict it on the target the options below describe")
     ap.add_argument("--hosts", type=int, help="hosts of the target cluster (default 1; --trace: the recorded ones)")
     ap.add_argument("--ppn", type=int, help="ranks per host (default 1; --trace: the trace's ranks / --hosts)")
-    ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's)")
-    ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's)")
+    ap.add_argument("--link-gbit", type=float, help="inter-host link rate (default: the recorded tuner's; --trace: "
+                                                    "the tuner's default or the --topo-file's links)")
+    ap.add_argument("--link-latency-us", type=float, help="inter-host message latency (default: the recorded tuner's; "
+                                                          "--trace: as --link-gbit)")
     ap.add_argument("--topo-file", metavar="T",
                     help="a PYCOLL_TOPO_FILE: hosts (placement), ranks' cores, links, racks and their uplinks")
     ap.add_argument("--placement", default="packed",
                     help="packed (ranks 0..L-1 on host 0, ...), scattered (rank r on host r mod H) or a JSON "
                          "file holding the host of each rank as a list")
     ap.add_argument("--batch-size", type=int, help="global batch of the target (default: the recorded one)")
-    ap.add_argument("--cores", type=int, help="cores per host (default: the recorded host's)")
+    ap.add_argument("--cores", type=int, help="cores per host (default: the recorded host's; --trace: this machine's)")
     ap.add_argument("--shared-cores", type=int, default=0, metavar="N",
                     help="all ranks share N cores: hosts emulated on one machine (network namespaces)")
     ap.add_argument("--algo", help="price every bucket with this allreduce algorithm (default: the tuner's pick)")
