@@ -241,7 +241,7 @@ def compute_trace(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-def test_whatif_more_hosts_and_slower_links_slow_a_tp_job(tp_trace, capsys):
+def test_whatif_more_hosts_and_slower_links_slow_a_tp_job(tp_trace, capsys, tmp_path):
     rc, replayed, err = predict(capsys, "--trace", tp_trace)
     assert rc == 0, err
     # the recorded placement, retargeted to itself: nothing is repriced
@@ -262,6 +262,15 @@ def test_whatif_more_hosts_and_slower_links_slow_a_tp_job(tp_trace, capsys):
         steps.append(answer["step_ms"])
     assert replayed["step_ms"] < steps[1] < steps[2], (replayed["step_ms"], steps)
     assert steps[0] < steps[2]
+    # a topology file: the hosts' 1 Gbit/s links behind 0.1 Gbit/s rack uplinks cost what 0.1 Gbit/s links do
+    topo = tmp_path / "topo.json"
+    topo.write_text(json.dumps({"hosts": {"a": [0], "b": [1]}, "links": {"net": {"latency_us": 500, "gbit": 1}},
+                                "racks": {"A": {"hosts": ["a"], "uplink_gbit": 0.1},
+                                          "B": {"hosts": ["b"], "uplink_gbit": 0.1}}}))
+    rc, racked, err = predict(capsys, "--trace", tp_trace, "--topo-file", str(topo))
+    assert rc == 0, err
+    assert racked["target"]["racks"] == ["A", "B"]
+    assert racked["step_ms"] == pytest.approx(steps[2], rel=1e-6)
 
 
 @pytest.mark.timeout(200)

@@ -307,7 +307,8 @@ def describe_trace(out: Dict[str, Any]) -> str:
     t, rec = out["target"], out["recorded"]
     lines.append(f"target: {t['ranks']} ranks on {t['hosts']} host(s) (host of each rank {t['host_of']}), net {t['net']}"
                  + (f", all ranks on {t['shared_cores']} shared cores" if t["shared_cores"] else
-                    f", {t['cores'][0]} cores per host"))
+                    f", {t['cores'][0]} cores per host")
+                 + (f", racks {t['racks']} (host by host)" if t["racks"] else ""))
     lines.append(f"predicted {out['step_ms']:.2f} ms ({what}) = {split}")
     lines.append(f"  recorded on {rec['hosts']} host(s): measured {out['measured_step_ms']:.2f} ms, replayed "
                  f"{out['replay_step_ms']:.2f} ms; compute x{max(out['compute_factor'].values()):.2g} for core sharing")
