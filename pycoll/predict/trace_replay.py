@@ -139,9 +139,9 @@ def build(dumps: Dict[int, dict], folder: str = "") -> Trace:
     ranks = sorted(set(dumps) | {g for c in comms.values() for g in c["group"]})
     missing = [r for r in ranks if r not in dumps]
     if missing:
-        raise TraceError(f"ranks {analysis._span(missing)} of the job's {len(ranks)} left no dump in "
+        raise TraceError(f"ranks {analysis.span(missing)} of the job's {len(ranks)} left no dump in "
                          f"{folder or 'the folder'} "
-                         f"(dumps of ranks {analysis._span(sorted(dumps))}): a replay needs every rank's calls "
+                         f"(dumps of ranks {analysis.span(sorted(dumps))}): a replay needs every rank's calls "
                          "(a rank that died or was killed dumps nothing; `pycoll trace DIR` says which)")
     host_of: Dict[int, str] = {r: d["host_id"] for r, d in dumps.items() if d.get("host_id")}
     for c in comms.values():
@@ -195,7 +195,7 @@ def _windows(dumps: Dict[int, dict]) -> Tuple[bool, List[int], Dict[int, Tuple[f
     notes: List[str] = []
     if unmarked:
         notes.append(("no step marks in the dumps" if len(unmarked) == len(dumps) else
-                      f"ranks {analysis._span(unmarked)} marked no steps") +
+                      f"ranks {analysis.span(unmarked)} marked no steps") +
                      " (call pycoll.mark_step() at the end of each step): the whole recorded span is predicted "
                      "as one step")
         bounds = {}

@@ -71,7 +71,7 @@ def one_job(dumps: Dict[int, dict]) -> None:
         if d.get("job"):
             jobs.setdefault(d["job"], []).append(r)
     if len(jobs) > 1:
-        named = "; ".join(f"ranks {_span(rs)} of job {job}" for job, rs in jobs.items())
+        named = "; ".join(f"ranks {span(rs)} of job {job}" for job, rs in jobs.items())
         raise TraceError(f"the dumps come from {len(jobs)} different jobs ({named}): a folder holds one job's "
                          "dumps (give each job its own PYCOLL_TRACE_DIR, or remove the older dumps)")
     lives = {r: (d["started"], d["time"]) for r, d in dumps.items() if d.get("started") and d.get("time")}
@@ -394,7 +394,7 @@ def live_view(folder: str, ranks: Optional[Sequence[int]] = None) -> List[str]:
         lines.append(f"rank {rank} (pid {info['pid']}): " + ("; ".join(parts) or "no communicator"))
     for name, by_done in per_comm.items():
         groups = sorted(by_done.items(), reverse=True)
-        lines.append(f"{name}: " + ", ".join(f"{len(rs)} rank(s) up to call {done} ({_span(rs)})"
+        lines.append(f"{name}: " + ", ".join(f"{len(rs)} rank(s) up to call {done} ({span(rs)})"
                                              for done, rs in groups))
     return lines
 
@@ -412,7 +412,7 @@ def progress(folder: str) -> Tuple:
     return tuple(snapshot)
 
 
-def _span(ranks: Sequence[int]) -> str:
+def span(ranks: Sequence[int]) -> str:
     """'0-3, 6' for ranks [0, 1, 2, 3, 6]."""
     rs, out, i = sorted(ranks), [], 0
     while i < len(rs):

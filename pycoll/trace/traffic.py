@@ -35,6 +35,7 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from . import analysis
 from .analysis import TraceError
 
 Pairs = Dict[Tuple[int, int], List[float]]  # (src, dst) -> [bytes, messages], in communicator ranks
@@ -505,7 +506,7 @@ def tally(dumps: Dict[int, dict]) -> Tally:
     note = None
     if unmarked:
         note = ("no step marks in the dumps" if len(unmarked) == len(dumps) else
-                f"ranks {_span(unmarked)} marked no steps") + \
+                f"ranks {analysis.span(unmarked)} marked no steps") + \
                " (call pycoll.mark_step() at the end of each step): the whole recorded span counts as one step"
         spans = {r: (float("-inf"), float("inf")) for r in dumps}
         steps = [0]
@@ -642,11 +643,6 @@ class _Steps:
         return i if start < t <= end else None
 
 
-def _span(ranks: Sequence[int]) -> str:
-    from .analysis import _span as span
-    return span(ranks)
-
-
 # -- text -------------------------------------------------------------------------------------------
 def _bytes(x: float) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -667,11 +663,11 @@ def render(report: Dict[str, Any], folder: str = "") -> str:
              + (f", job {report['job']}" if report["job"] else "")]
     for h, host in enumerate(report["hosts"]):
         on = [r for r, k in report["host_of"].items() if k == h]
-        lines.append(f"  host{h}: ranks {_span(on)} ({host.split('/')[0]})")
+        lines.append(f"  host{h}: ranks {analysis.span(on)} ({host.split('/')[0]})")
     if st["note"]:
         lines.append(f"note: {st['note']}")
     if report["missing"]:
-        lines.append(f"ranks {_span(report['missing'])} left no dump: their sends are not counted")
+        lines.append(f"ranks {analysis.span(report['missing'])} left no dump: their sends are not counted")
     if st["marked"]:
         lines.append(f"{st['count']} marked steps (steps {st['numbers'][0]}-{st['numbers'][-1]}); "
                      f"per step, the median over them:")
