@@ -114,7 +114,7 @@ def test_tp_bad_input(world, args, message):
 # ---------------------------------------------------------------------------------------------- pp.py
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_pp_bit_identical_to_gloo(tmp_path, schedule):
     args = [*QUICK, "--schedule", schedule, "--microbatches", "4"]
     ours = run_job(tmp_path, "pp.py", 2, *args)
@@ -376,7 +376,8 @@ def test_serve_disaggregated_two_ranks_tokens_equal_one_process_and_gloo(tmp_pat
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("disaggregate", [pytest.param(False, marks=pytest.mark.slow), True],
+@pytest.mark.parametrize("disaggregate", [pytest.param(False, marks=pytest.mark.slow),
+                                          pytest.param(True, marks=pytest.mark.slow)],
                          ids=["tp4", "disaggregated-tp2"])
 def test_serve_four_ranks(tmp_path, serve_alone, disaggregate):
     flag = ["--disaggregate"] if disaggregate else []

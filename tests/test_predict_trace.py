@@ -190,9 +190,9 @@ def assert_replayed(answer, marked=True):
 
 JOB_CASES = [
     pytest.param(("tp", [os.path.join(JOBS, "tp.py"), *QUICK]), id="tp"),
-    pytest.param(("pp", [os.path.join(JOBS, "pp.py"), *QUICK]), id="pp-gpipe"),
+    pytest.param(("pp", [os.path.join(JOBS, "pp.py"), *QUICK]), id="pp-gpipe", marks=pytest.mark.slow),
     pytest.param(("serve", [os.path.join(JOBS, "serve.py"), "--steps", "1", "--warmup", "0", "--new-tokens", "8",
-                            "--layers", "2", "--prompt-len", "16"]), id="serve"),
+                            "--layers", "2", "--prompt-len", "16"]), id="serve", marks=pytest.mark.slow),
     pytest.param(("trainer", ["-m", "pycoll.trainer", "--epochs", "1", "--log-every", "0"]), id="trainer"),
     pytest.param(("pp", [os.path.join(JOBS, "pp.py"), "--schedule", "1f1b", *QUICK]), id="pp-1f1b",
                  marks=pytest.mark.slow),
