@@ -256,6 +256,9 @@ def main() -> None:
             print(f"measured section {name} ({time.time() - started:.0f} s)", flush=True)
         if os.path.exists(frag):
             parts.append(open(frag).read())
+    trace_frag = os.path.join(data, "section-trace.md")  # `pycoll predict --trace`: written by hand, kept
+    if os.path.exists(trace_frag):
+        parts.append(open(trace_frag).read())
     extra = "\n".join(parts)
     text = f"""# pycoll predict, checked against measured runs
 
