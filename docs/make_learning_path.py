@@ -33,7 +33,7 @@ BACKENDS = ("pycoll", "gloo")
 # the job shapes: small enough for 2 cores, large enough that what each section is about shows
 HYBRID = ["--dp-style", "ddp", "--dim", "32", "--heads", "4", "--mlp-ratio", "2", "--seq", "128", "--batch", "64",
           "--steps", "4"]
-PP = ["--layers", "4", "--dim", "64", "--seq", "32", "--batch", "64", "--steps", "4"]
+PP = ["--layers", "4", "--dim", "256", "--seq", "64", "--batch", "128", "--steps", "4"]
 SERVE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--batch", "1", "--prompt-len", "16",
          "--new-tokens", "24", "--steps", "3"]
 PLACEMENTS = {"dp": ["--tp", "1"], "inside": ["--tp", "2", "--tp-inside-host"],
@@ -253,6 +253,12 @@ def statistics_median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _runs(section: Dict[str, Any]) -> str:
+    n = len(next(iter(section["one_host"].values()))["all"])
+    return {1: "one run per configuration", 2: "two runs per configuration, the faster shown"}.get(
+        n, f"{n} runs per configuration, the median run shown")
+
+
 def render(data: Dict[str, Any]) -> str:
     """The tables of docs/learning-path.md, between its markers, from learning_path.json."""
     parts = []
@@ -261,8 +267,7 @@ def render(data: Dict[str, Any]) -> str:
             m = data[name]["machine"]
             parts.append((name, "\n".join(fn(data[name]) + [
                 "", f"_Measured {m['date']} on this project's {m['cpus']}-core VM (load average {m['load_before']:.1f} "
-                    f"before), {len(next(iter(data[name]['one_host'].values()))['all'])} runs per configuration, "
-                    f"median shown; `{os.path.basename(__file__)} --only {name}` re-measures it._"])))
+                    f"before), {_runs(data[name])}; `{os.path.basename(__file__)} --only {name}` re-measures it._"])))
     return parts
 
 

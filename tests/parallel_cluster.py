@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -84,8 +85,9 @@ def run_cluster(cluster: Cluster, script: str, ppn: int, args: Sequence[str], ba
 
 def round_trip_ms(cluster: Cluster, src: int = 0, dst: int = 1, n: int = 60) -> float:
     """Median round trip of an 8-byte TCP echo from host `src` to host `dst` (tests/wire_probe.py)."""
-    ready = os.path.join(cluster.workdir, f"echo-{src}-{dst}.ready")
-    port = "23456"
+    token = secrets.token_hex(4)
+    ready = os.path.join(cluster.workdir, f"echo-{src}-{dst}-{token}.ready")
+    port = str(23000 + secrets.randbelow(2000))
     server = cluster.popen(dst, [sys.executable, PROBE, "tcp-server", cluster.addresses[dst], port, ready])
     try:
         deadline = time.monotonic() + 30
