@@ -260,7 +260,10 @@ def test_rejections_are_logged_rate_limited(caplog):
     for _ in range(100):
         with socket.create_connection(("127.0.0.1", srv.port)) as s:
             s.sendall(struct.pack("!I", 5) + b"\x01\x00\x00\x00\xff")  # a broken first frame
-            s.recv(16)  # wait for the hang-up
+            s.recv(16)  # the challenge (the server may still be reading the broken frame)
+    deadline = time.monotonic() + 30
+    while srv.rejects.total < 100 and time.monotonic() < deadline:  # every rejection counted before close()
+        time.sleep(0.01)
     good = TCPStore("127.0.0.1", srv.port, token=b"t", timeout=5)
     good.set("still", b"works")
     good.close()
