@@ -26,6 +26,8 @@ class _OnlyWhenAsked(logging.Filter):
 
 
 _ONLY_WHEN_ASKED = _OnlyWhenAsked()
+# the registry's "NAME=value (default: ...)" lines (config.load), below this module's layer
+logging.getLogger("pycoll.config").addFilter(_ONLY_WHEN_ASKED)
 
 
 def quiet_unless_asked(logger: logging.Logger) -> logging.Logger:

@@ -38,6 +38,7 @@ def test_root_logger_at_info_prints_no_selection_line_without_pycoll_debug(tmp_p
     out = _run_job(tmp_path, None)
     assert "predicted" not in out and "pycoll.tuner:allreduce" not in out, out
     assert "tuner calibrated" not in out, out
+    assert "(default:" not in out, out  # the registry's NAME=value lines (pycoll.config) too
     assert out.count("warnings still pass") == 2, out  # the root handler works; warnings are not hidden
 
 
