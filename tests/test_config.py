@@ -164,7 +164,8 @@ def test_the_transport_reads_its_settings_when_built(monkeypatch):
 
 
 # -- logging -------------------------------------------------------------------------------------
-def test_overrides_are_logged_at_info_and_strangers_warned_of(caplog):
+def test_overrides_are_logged_at_info_and_strangers_warned_of(caplog, monkeypatch):
+    monkeypatch.setenv("PYCOLL_DEBUG", "INFO")  # (pycoll's INFO lines only when asked for: logutil)
     caplog.set_level(logging.INFO, logger="pycoll.config")
     config.load({"PYCOLL_TIMEOUT": "30", "PYCOLL_TRANSPORT": "auto", "PYCOLL_JOB_TOKEN": "abcd",
                  "PYCOLL_TRANSPOT": "tcp"})
