@@ -309,17 +309,9 @@ class Cluster:
                 logs.append(results[-1] + ".log")
                 procs.append(self.popen(host, [sys.executable, __file__, "worker", target, json.dumps(list(args)),
                                                results[-1]], rank_env, logs[-1]))
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(1.0)  # let the others report their side, then stop them
-                    break
-                time.sleep(0.05)
+            _await(procs, timeout, grace=1.0)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            _stop(procs)
             server.close()
         values, stories = [], []
         for r, (p, path, log) in enumerate(zip(procs, results, logs)):
@@ -351,18 +343,10 @@ class Cluster:
                                 "--node-rank", str(i), "--master-addr", self.addresses[hosts[0]],
                                 "--master-port", str(port), *argv], node_env, logs[i])
                  for i, h in enumerate(hosts)]
-        deadline = time.monotonic() + timeout
         try:
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the others report their side, then stop them
-                    break
-                time.sleep(0.05)
+            _await(procs, timeout, grace=2.0)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            _stop(procs)
         outputs = []
         for path in logs:
             with open(path) as fh:
@@ -374,6 +358,25 @@ class Cluster:
             raise ClusterError(f"`pycoll run {' '.join(argv)}` failed on the emulated cluster "
                                f"(or ran past {timeout:g} s)\n{story}")
         return outputs
+
+
+def _await(procs: Sequence[subprocess.Popen], timeout: float, grace: float) -> None:
+    """Until every process has ended or `timeout` s passed; once one fails, `grace` s more for the
+    others to report their side."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(grace)
+            return
+        time.sleep(0.05)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill whatever still runs and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 # -- what runs inside the namespaces ------------------------------------------------------------------
 def _worker(target: str, args: str, out: str) -> None:
