@@ -61,6 +61,7 @@ def main() -> None:
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             opt.step()
+            pycoll.mark_step()  # a step boundary in pycoll's flight recorder (pycoll trace --traffic)
             total += loss.detach()
             batches += 1
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # the mean loss over every rank's batches

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Tuple, TypeVar
 import numpy as np
 
 from ..comm import Communicator
+from ..trace.recorder import mark_step
 from .elastic import Elastic, Event
 from .data import Digits, eval_shard, global_batches, load_digits, shard, steps_per_epoch
 from .model import Params, forward, init_params, layer_sizes, loss_and_correct
@@ -86,6 +87,7 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResul
                 losses[step], correct[step], rows[step] = got
                 seen[step] = len(np.array_split(batch, comm.size)[comm.rank])
             step += 1
+            mark_step()  # the flight recorder's step boundary (pycoll trace --traffic, predict --trace)
             if cfg.log_every and step % cfg.log_every == 0:
                 lo = step - cfg.log_every
                 window = _sync(elastic, comm, lambda c: _window(c, losses[lo:step], correct[lo:step], seen[lo:step],
