@@ -25,10 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List
+
+from torch_ddp import job_result  # one job's RESULT line, read as torch_ddp.py reads it
 
 ROW = 64  # float32 per row
 CASES = (("uneven", 16), ("even", 16), ("list", 16), ("uneven", 4096))
@@ -117,12 +118,7 @@ def launch(backend: str, ranks: int, scale: float, tree: str = REPO) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(ranks), "--timeout", "600",
            sys.executable, HERE, "--worker", backend, "--scale", str(scale)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660, cwd=REPO)
-    for line in res.stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError(f"{backend} x{ranks}: no result (exit {res.returncode})\n"
-                       f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return job_result(cmd, env, 660, f"{backend} x{ranks}")
 
 
 def _us(v: float) -> str:

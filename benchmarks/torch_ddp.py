@@ -131,12 +131,16 @@ def launch(backend: str, ranks: int, steps_scale: float, sizes: bool, tree: str 
            sys.executable, HERE, "--worker", backend, "--steps-scale", str(steps_scale)]
     if not sizes:
         cmd.append("--no-sizes")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=960, cwd=REPO)
+    return job_result(cmd, env, 960, f"{backend} x{ranks}")
+
+
+def job_result(cmd: List[str], env: Dict[str, str], timeout: float, label: str) -> dict:
+    """Run one `pycoll run` job and return what its rank 0 printed after "RESULT " (JSON)."""
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     for line in res.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError(f"{backend} x{ranks}: no result (exit {res.returncode})\n"
-                       f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    raise RuntimeError(f"{label}: no result (exit {res.returncode})\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
 def _ms(v: float) -> str:
