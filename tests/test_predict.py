@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from pycoll.cli import predict as cli
-from pycoll.predict.model import (Target, build_topology, expected_max_normal, placement, predict, sharing,
-                                  timeline)
+from pycoll.predict.model import Target, build_topology, expected_max_normal, placement, predict, sharing
+from pycoll.predict.workload_trace import simulate_step
 from pycoll.predict.workload import Bucket, ComputePoint, Workload, WorkloadError, from_dict, load
 from pycoll.tuner import Link, Params
 from test_examples import pycoll_run, run
@@ -25,6 +25,12 @@ def workload(ranks: int = 2, host_of=(0, 0)) -> Workload:
                     compute=ComputePoint(64 / ranks, 0.5 + 0.1 * 64 / ranks, 0.2), jitter_frac=0.0,
                     profile=[ComputePoint(b, 0.5 + 0.1 * b, 0.2) for b in (4, 8, 16, 32, 64)],
                     params=Params(Link(10e-6, 1 / 5e9), Link(50e-6, 8 / 1e9), 1 / 4e9, "test"))
+
+
+def timeline(fwd, opt, ready, comm, barrier, straggle):
+    """The workload step as the trace simulator runs it (the same simulator as `predict --trace`)."""
+    t = simulate_step(fwd, opt, ready, [(1 << 20, "ring", c) for c in comm], barrier, straggle)
+    return t.step, t.wait, t.exposed, t.spans
 
 
 def test_timeline_overlaps_buckets_with_backward():

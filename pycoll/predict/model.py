@@ -10,8 +10,12 @@ For one data-parallel step on N ranks (global batch B, so B/N samples per rank):
              previous item's end) for c[k], the tuner's predicted time of the algorithm it picks
     step     = max(F, end of the last bucket) + optimizer
 
-and the split the trainer measures: compute (F + optimizer), wait (the blocked time until the probe
-is done), exposed comm (the rest of the blocked time). Core sharing is ranks per core (per host, or
+That timeline is not computed here: the step is written as a trace (workload_trace.py: a program per
+rank of compute, calls and waits, an average rank and the slowest) and run by the simulator that
+`pycoll predict --trace` replays recorded jobs with (trace_replay.simulate), each allreduce priced
+by the tuner (Tuner.call_time), as trace_target.py prices a recorded job's calls: one model for both.
+The split is the one the trainer measures: compute (F + optimizer), wait (the blocked time until
+the probe is done), exposed comm (the rest of the blocked time). Core sharing is ranks per core (per host, or
 over all ranks when the hosts are emulated on one machine, `shared_cores`); interference is how much
 slower a rank computed in the recorded run than alone (its communication threads take CPU too).
 The interval redoes the sum with compute off by the recorded jitter and communication off by the
@@ -30,6 +34,7 @@ from ..selection import NAMED_ONLY
 from ..topology import RankInfo, Topology
 from ..tuner import MODELED, Link, Params, Tuner
 from .workload import Workload
+from .workload_trace import StepTimes, simulate_step
 
 COMM_ERROR = 1.25  # the tuner's predictions of single collectives held within this factor (test_emulated_cluster)
 BARRIER_BYTES = 8  # the wait probe is priced as the cheapest 8-byte allreduce (a barrier's rounds of tiny messages)
@@ -201,25 +206,6 @@ def comm_times(w: Workload, target: Target, extra: float = 0.0,
     return out, price.call_time("allreduce", name, BARRIER_BYTES, target.topo)
 
 
-def timeline(fwd: float, opt: float, ready: Sequence[float], comm: Sequence[float], barrier: float,
-             straggle: float) -> Tuple[float, float, float, List[Tuple[float, float, float]]]:
-    """(step, wait, exposed comm, [(ready, start, end)] per bucket), all in the same unit, for one
-    average rank whose backward ends at `fwd`, the slowest rank's `straggle` later."""
-    if not ready:
-        return fwd + opt, 0.0, 0.0, []
-    late = [f * (fwd + straggle) for f in ready]
-    probe = late[0] + barrier
-    end, spans = probe, []
-    for r, c, f in zip(late, comm, ready):
-        start = max(r, end)
-        end = start + c
-        spans.append((f * fwd, start, end))
-    sync = max(fwd, end)
-    blocked = sync - fwd
-    wait = min(max(probe - fwd, 0.0), blocked)
-    return sync + opt, wait, blocked - wait, spans
-
-
 def predict(w: Workload, target: Target, fit: bool = True) -> Prediction:
     """The predicted step of workload `w` on `target` (see the module docstring); `fit`: carry the
     recorded run's measured slowdowns over (interference, latency_fit), else price compute from the
@@ -245,12 +231,16 @@ def predict(w: Workload, target: Target, fit: bool = True) -> Prediction:
     ready = [b.ready_frac for b in w.buckets] if n > 1 else []
     comm = [t for _, t in algos]
     straggle = w.jitter_frac * fwd * expected_max_normal(n)
-    step, wait, exposed, spans = timeline(fwd, opt, ready, comm, barrier, straggle)
+    sizes = [b.nbytes for b in w.buckets]
+
+    def run(f: float, c_scale: float, s_scale: float) -> StepTimes:
+        return simulate_step(f, opt, ready, [(b, a, c * c_scale) for b, (a, c) in zip(sizes, algos)],
+                             barrier * c_scale, straggle * s_scale)
+    mid = run(fwd, 1.0, 1.0)
+    step, wait, exposed, spans = mid.step, mid.wait, mid.exposed, mid.spans
     j = min(w.jitter_frac, 0.5)
-    low = timeline(fwd * (1 - j), opt, ready, [c / COMM_ERROR for c in comm], barrier / COMM_ERROR,
-                   straggle * (1 - j))[0]
-    high = timeline(fwd * (1 + j), opt, ready, [c * COMM_ERROR for c in comm], barrier * COMM_ERROR,
-                    straggle * (1 + j))[0]
+    low = run(fwd * (1 - j), 1 / COMM_ERROR, 1 - j).step
+    high = run(fwd * (1 + j), COMM_ERROR, 1 + j).step
     buckets = [BucketTime(b.nbytes, a, c, r, s, e) for b, (a, c), (r, s, e) in zip(w.buckets, algos, spans)]
     return Prediction(ranks=n, hosts=topo.nhosts, per_host=topo.per_host, local_batch=local, step_ms=step,
                       low_ms=low, high_ms=high, compute_ms=fwd + opt, comm_ms=exposed, wait_ms=wait,
