@@ -1,0 +1,385 @@
+"""Validate `pycoll predict --trace` on emulated clusters: record each job on one host, predict it on
+H hosts x 2 ranks, run it there, compare. Writes docs/predict/trace-validation.json (every run) and
+docs/predict/section-trace-validation.md (included in docs/predict.md by docs/make_predict.py).
+
+    sudo PYTHONPATH=. python docs/make_predict_trace.py [--only dp,tp,...] [--hosts 2,3,4] [--repeats 1]
+    sudo PYTHONPATH=. python docs/make_predict_trace.py --repredict    # today's model on the kept traces
+    PYTHONPATH=. python docs/make_predict_trace.py --render            # the section from the JSON
+
+The configurations below were fixed (and committed) before the first full run: record with one
+configuration, check on configurations chosen before looking at the results. For each job and each H
+in 2, 3, 4 (tests/predict_trace_cluster.py does the running):
+
+- record: the job with 2H ranks on ONE host (every node of `pycoll run --nnodes H -n 2` in the first
+  host's network namespace: one host id, every pair on shared memory), traced;
+- targets: the same job on H hosts x 2 ranks (one node per namespace) on each of two links, tbf at
+  1000 and 200 Mbit/s (serve: the userspace wire with a one-way delay of 1 and 4 ms), traced; the
+  recording and its targets run back to back, so a slow spell of the machine hits them alike;
+- predicted: `pycoll predict --trace RECORD --hosts H --ppn 2 --link-gbit G --link-latency-us L
+  --shared-cores 2 --json`, G and L measured on that cluster before its runs (one raw TCP stream's
+  rate, half an 8-byte echo's round trip), --shared-cores because every emulated host shares this
+  machine's 2 cores (2H ranks on 2 cores, in the recording and in the target alike);
+- measured: the target's median step from its own trace, counted as predict counts the recording's
+  (marks, the first step left out, each step the slowest rank's); the job's JSON figure is kept too.
+
+Each run is bounded by --timeout; a run that fails is recorded as failed and the others go on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from netns_cluster import Cluster  # noqa: E402
+from predict_trace_cluster import SYSCTLS, error, measure_link, predict_trace, run_traced  # noqa: E402
+
+OUT = os.path.join(HERE, "predict", "trace-validation.json")
+SECTION = os.path.join(HERE, "predict", "section-trace-validation.md")
+KEEP = "/var/tmp/pycoll-trace-validation"  # the traces (outside the repository: predictions are re-made from them)
+
+# -- the configurations (fixed before the first full run) ----------------------------------------------
+PPN = 2
+SHARED_CORES = 2              # this machine's cores: every emulated host shares them
+HOSTS = (2, 3, 4)
+RATES_MBIT = (1000, 200)      # tbf on each host's link
+DELAYS_MS = (1.0, 4.0)        # serve: one-way delay of the userspace wire
+GOAL_MEAN, GOAL_MAX = 0.10, 0.20
+PY = sys.executable
+PAR = os.path.join(REPO, "examples", "parallel")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job to validate: its title, its command (for a world of `ranks`; {RESULT} is its JSON's
+    path), the link it is checked on ("rate": tbf; "delay": the wire) and where it does not fit."""
+
+    name: str
+    title: str
+    argv: Callable[[int], List[str]]
+    link: str = "rate"
+    unfit: Callable[[int], Optional[str]] = lambda hosts: None
+
+
+def _par(script: str, *args: str) -> Callable[[int], List[str]]:
+    return lambda ranks: [PY, os.path.join(PAR, script), "--backend", "pycoll", "--json", "{RESULT}", *args]
+
+
+def _pp(schedule: str) -> Callable[[int], List[str]]:
+    # one block per stage (stages = ranks); 8 microbatches: 1F1B needs at least as many as stages
+    return lambda ranks: _par("pp.py", "--schedule", schedule, "--layers", str(ranks), "--dim", "96", "--heads", "4",
+                              "--seq", "64", "--batch", "16", "--microbatches", "8", "--steps", "8")(ranks)
+
+
+HYBRID = ["--tp", "2", "--dp-style", "ddp", "--dim", "32", "--heads", "4", "--mlp-ratio", "2", "--seq", "128",
+          "--batch", "32", "--steps", "8"]
+JOBS: Dict[str, Job] = {j.name: j for j in (
+    Job("dp", "DP: python -m pycoll.trainer (numpy MLP 64-512-512-10, 1.2 MiB of gradients in 256 KiB buckets)",
+        lambda ranks: [PY, "-m", "pycoll.trainer", "--epochs", "4", "--hidden", "512,512", "--batch-size", "240",
+                       "--bucket-kb", "256", "--log-every", "0", "--baseline-sps", "1", "--report-json", "{RESULT}"]),
+    Job("tp", "TP: examples/parallel/tp.py (TP over all ranks, 2 blocks, dim 96, 24 heads, seq 64, batch 8)",
+        _par("tp.py", "--layers", "2", "--dim", "96", "--heads", "24", "--seq", "64", "--batch", "8", "--steps", "8")),
+    Job("pp-gpipe", "PP GPipe: examples/parallel/pp.py (a stage per rank, one block each, 8 microbatches)",
+        _pp("gpipe")),
+    Job("pp-1f1b", "PP 1F1B: examples/parallel/pp.py --schedule 1f1b (as GPipe)", _pp("1f1b")),
+    Job("ep", "EP: examples/parallel/ep.py (2 experts a rank, top-2, 512 tokens a rank, hidden 128, ffn 256)",
+        _par("ep.py", "--tokens", "512", "--hidden", "128", "--ffn", "256", "--steps", "8")),
+    Job("hybrid-inside", "hybrid: examples/parallel/hybrid.py --tp 2 --tp-inside-host (DDP over the TP pairs)",
+        _par("hybrid.py", "--tp-inside-host", *HYBRID)),
+    Job("hybrid-across", "hybrid: examples/parallel/hybrid.py --tp 2 --tp-across-hosts",
+        _par("hybrid.py", "--tp-across-hosts", *HYBRID),
+        unfit=lambda hosts: None if hosts % 2 == 0 else
+        f"a TP pair takes one rank from each of 2 hosts: {hosts} hosts are not a multiple of 2"),
+    Job("serve", "serve: examples/parallel/serve.py (TP decoding over all ranks, 2 layers, hidden 192, 24 heads, "
+        "batch 1, 16-token prompts, 24 new tokens x 3; a step = a token)",
+        _par("serve.py", "--layers", "2", "--hidden", "192", "--heads", "24", "--batch", "1", "--prompt-len", "16",
+             "--new-tokens", "24", "--steps", "3"), link="delay"),
+)}
+
+
+# -- running ------------------------------------------------------------------------------------------
+def _model_version() -> str:
+    """The commit predicting, with '+' where the model's files differ from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    dirty = git("status", "--porcelain", "--", "pycoll/predict", "pycoll/tuner.py")
+    return git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+
+
+def _predict(run: Dict[str, Any], record: Dict[str, Any]) -> Dict[str, Any]:
+    """The prediction of target `run` from `record`'s trace with the link measured for it."""
+    link = run["link"]
+    try:
+        got = predict_trace(record["trace"], run["hosts"], PPN, link["gbit"], link["latency_us"], SHARED_CORES)
+    except Exception as e:  # a failed prediction is a result to report, not the end of the script
+        return {"status": "failed", "error": str(e)[-3000:], "model": _model_version()}
+    return {"status": "ok", "model": _model_version(), "step_ms": got["step_ms"],
+            "split": got["split"], "replay_step_ms": got.get("replay_step_ms"),
+            "repriced": got.get("repriced"), "compute_factor": got.get("compute_factor"),
+            "error": error(got["step_ms"], run.get("measured_ms"))}
+
+
+class Book:
+    """The runs so far (docs/predict/trace-validation.json), saved after each one."""
+
+    def __init__(self, fresh: bool) -> None:
+        self.data: Dict[str, Any] = {"runs": []}
+        if os.path.exists(OUT) and not fresh:
+            with open(OUT) as fh:
+                self.data = json.load(fh)
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(OUT), exist_ok=True)
+        with open(OUT + ".tmp", "w") as fh:
+            json.dump(self.data, fh, indent=1)
+        os.replace(OUT + ".tmp", OUT)
+
+
+def _links(c: Cluster, nbytes: int) -> Dict[str, Any]:
+    try:
+        return measure_link(c, nbytes)
+    except Exception as e:
+        return {"error": str(e)[-1000:]}
+
+
+def validate_hosts(book: Book, session: str, jobs: Sequence[Job], hosts: int, link: str, repeats: int,
+                   timeout: float) -> None:
+    """Every job of `jobs` on `hosts` hosts: clusters for both link settings built at once, links
+    measured, then per job (and repeat) the recording and its two targets back to back."""
+    settings = RATES_MBIT if link == "rate" else DELAYS_MS
+    kw = (lambda s: {"rate_mbit": s}) if link == "rate" else (lambda s: {"delay_ms": s})
+    nbytes = 16 << 20 if link == "rate" else 4 << 20  # the wire is one Python thread
+    clusters = [Cluster(hosts, sysctls=SYSCTLS, **kw(s)) for s in settings]
+    try:
+        for c in clusters:
+            c.__enter__()
+        measured = [_links(c, nbytes) for c in clusters]
+        print(f"  {hosts} hosts: links " + ", ".join(f"{s:g} {'Mbit/s' if link == 'rate' else 'ms'}: "
+                                                     f"{m.get('gbit', float('nan')) * 1e3:.0f} Mbit/s, "
+                                                     f"{m.get('latency_us', float('nan')):.0f} us"
+                                                     for s, m in zip(settings, measured)), flush=True)
+        for job in jobs:
+            for rep in range(repeats):
+                tag = f"{job.name}-h{hosts}-r{rep}"
+                argv = job.argv(hosts * PPN)
+                rec = run_traced(clusters[0], argv, [0] * hosts, PPN, os.path.join(KEEP, session, tag, "record"),
+                                 timeout)
+                rec.update(job=job.name, hosts=hosts, ranks=hosts * PPN, role="record", repeat=rep, session=session)
+                book.data["runs"].append(rec)
+                _say(rec)
+                for s, c, m in zip(settings, clusters, measured):
+                    label = f"{s:g}{'mbit' if link == 'rate' else 'ms'}"
+                    run = run_traced(c, argv, list(range(hosts)), PPN, os.path.join(KEEP, session, tag, label),
+                                     timeout)
+                    run.update(job=job.name, hosts=hosts, ranks=hosts * PPN, role="target", repeat=rep,
+                               session=session, link=dict(m, **kw(s)), record_trace=rec["trace"])
+                    if run["status"] == "ok" and rec["status"] == "ok" and "gbit" in m:
+                        run["prediction"] = _predict(run, rec)
+                        run["first_prediction"] = run["prediction"]
+                    book.data["runs"].append(run)
+                    _say(run)
+                book.save()
+        after = [_links(c, nbytes) for c in clusters]
+        book.data.setdefault("links", []).append({"session": session, "hosts": hosts, "link": link,
+                                                  "settings": list(settings), "before": measured, "after": after})
+        book.save()
+    finally:
+        for c in clusters:
+            c.close()
+
+
+def _say(run: Dict[str, Any]) -> None:
+    what = f"{run['job']} {run['hosts']}x{PPN} {run['role']}"
+    if run["role"] == "target":
+        lk = run["link"]
+        what += f" {lk.get('rate_mbit', lk.get('delay_ms')):g}{' Mbit/s' if 'rate_mbit' in lk else ' ms'}"
+    if run["status"] != "ok":
+        print(f"  {what}: FAILED after {run['wall_s']:.0f} s: {run.get('error', '')[-300:]}", flush=True)
+        return
+    p = run.get("prediction", {})
+    pred = f", predicted {p['step_ms']:.1f} ms ({p['error']:+.1%})" if p.get("status") == "ok" else \
+        (f", prediction FAILED: {p.get('error', '')[-200:]}" if p else "")
+    print(f"  {what}: {run['wall_s']:.0f} s, load {run['load'][0]:.1f}-{run['load'][1]:.1f}, measured "
+          f"{run['measured_ms']:.1f} ms{pred}", flush=True)
+
+
+def repredict(book: Book) -> None:
+    """Today's model on every kept target's recording (the first prediction stays beside it)."""
+    records = {r["trace"]: r for r in book.data["runs"] if r["role"] == "record"}
+    for run in book.data["runs"]:
+        if run["role"] != "target" or run["status"] != "ok" or "gbit" not in run["link"]:
+            continue
+        rec = records.get(run["record_trace"])
+        if rec is None or rec["status"] != "ok" or not os.path.isdir(rec["trace"]):
+            continue
+        run["prediction"] = _predict(run, rec)
+        run.setdefault("first_prediction", run["prediction"])
+        _say(run)
+    book.save()
+
+
+# -- the section ---------------------------------------------------------------------------------------
+def _pct(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:+.1%}"
+
+
+def _mark(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    return f"**{v:+.1%} miss**" if abs(v) > GOAL_MAX else f"{v:+.1%}"
+
+
+def _link_text(lk: Dict[str, Any]) -> str:
+    if "rate_mbit" in lk:
+        return f"{lk['rate_mbit']:g} Mbit/s (measured {lk.get('gbit', 0) * 1e3:.0f}, {lk.get('latency_us', 0):.0f} us)"
+    return (f"{lk['delay_ms']:g} ms one way (measured {lk.get('latency_us', 0) / 1e3:.2f} ms, "
+            f"{lk.get('gbit', 0) * 1e3:.0f} Mbit/s)")
+
+
+def _summary(errors: List[float]) -> str:
+    if not errors:
+        return "no runs"
+    mean = statistics.fmean(abs(e) for e in errors)
+    worst = max(abs(e) for e in errors)
+    verdict = lambda v, g: "met" if v <= g else "**missed**"  # noqa: E731
+    return (f"mean \\|error\\| **{mean:.1%}** (goal <= {GOAL_MEAN:.0%}: {verdict(mean, GOAL_MEAN)}), max \\|error\\| "
+            f"**{worst:.1%}** (goal <= {GOAL_MAX:.0%}: {verdict(worst, GOAL_MAX)}) over {len(errors)} runs; "
+            f"{sum(abs(e) > GOAL_MAX for e in errors)} beyond {GOAL_MAX:.0%}")
+
+
+def render(data: Dict[str, Any]) -> str:
+    """The markdown section: per job, every run; then the errors against the goal."""
+    runs = data["runs"]
+    sessions = sorted({r["session"] for r in runs})
+    records = {r["trace"]: r for r in runs if r["role"] == "record"}
+    lines = ["## Validation of `--trace` what-if on emulated clusters", "",
+             "Generated by `docs/make_predict_trace.py` (`sudo PYTHONPATH=. python docs/make_predict_trace.py`; "
+             "the configurations are fixed in it and were committed before the first full run). Each job is "
+             f"recorded with 2H ranks on one host (every rank on shared memory), then run on H hosts x {PPN} ranks "
+             "(network namespaces, tests/netns_cluster.py) on two links: tbf at "
+             f"{' and '.join(f'{r:g}' for r in RATES_MBIT)} Mbit/s, or for TP decoding (serve) the userspace wire with "
+             f"{' and '.join(f'{d:g}' for d in DELAYS_MS)} ms one-way delay. Predicted: `pycoll predict --trace RECORD "
+             f"--hosts H --ppn {PPN} --link-gbit G --link-latency-us L --shared-cores {SHARED_CORES} --json` "
+             "with G and L "
+             "measured on that cluster before its runs (one TCP stream's rate; half an 8-byte echo's round trip). "
+             "Measured: the target run's median step from its own trace, counted as the prediction counts the "
+             "recording's. Every emulated host shares this machine's 2 cores: 2H ranks on 2 cores in the recording "
+             "and in the target alike. Load average: before and after each run, from other developers' jobs.", ""]
+    targets = [r for r in runs if r["role"] == "target"]
+    all_first: List[float] = []
+    all_now: List[float] = []
+    for name, job in JOBS.items():
+        mine = [r for r in targets if r["job"] == name]
+        recs = [r for r in runs if r["job"] == name and r["role"] == "record"]
+        if not mine and not recs:
+            continue
+        lines += [f"### {job.title}", ""]
+        unfit = [h for h in HOSTS if job.unfit(h)]
+        if unfit:
+            lines += [f"Not run on {', '.join(map(str, unfit))} hosts: {job.unfit(unfit[0])}.", ""]
+        show_first = any(r.get("first_prediction", {}).get("model") != r.get("prediction", {}).get("model")
+                         for r in mine)
+        head = "| hosts x ranks | link | load | recorded on 1 host ms | measured ms | predicted ms | error |"
+        rule = "|---|---|---|---|---|---|---|"
+        if show_first:
+            head += " first prediction ms | its error |"
+            rule += "---|---|"
+        lines += [head, rule]
+        for r in sorted(mine, key=lambda r: (r["hosts"], r["session"], r["repeat"],
+                                             -r["link"].get("rate_mbit", 0), r["link"].get("delay_ms", 0))):
+            rec = records.get(r["record_trace"], {})
+            cells = [f"{r['hosts']} x {PPN}", _link_text(r["link"]), f"{r['load'][0]:.1f}-{r['load'][1]:.1f}",
+                     f"{rec['measured_ms']:.1f}" if rec.get("status") == "ok" else "failed"]
+            p, f = r.get("prediction") or {}, r.get("first_prediction") or {}
+            if r["status"] != "ok":
+                cells += ["run failed", "—", "—"]
+            else:
+                cells += [f"{r['measured_ms']:.1f}", f"{p['step_ms']:.1f}" if p.get("status") == "ok" else "failed",
+                          _mark(p.get("error") if p.get("status") == "ok" else None)]
+            if p.get("status") == "ok" and p.get("error") is not None:
+                all_now.append(p["error"])
+            if f.get("status") == "ok" and f.get("error") is not None:
+                all_first.append(f["error"])
+            if show_first:
+                cells += [f"{f['step_ms']:.1f}", _mark(f.get("error"))] if f.get("status") == "ok" else ["—", "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+        failed = [str(r["hosts"]) for r in recs if r["status"] != "ok"]
+        if failed:
+            lines += ["", f"Recordings that failed: on {', '.join(failed)} hosts (their targets are not predicted)."]
+        lines.append("")
+    models = sorted({r["prediction"]["model"] for r in targets if r.get("prediction")})
+    lines += ["### All runs", "", f"Today's model ({', '.join(models)}): {_summary(all_now)}."]
+    if any(r.get("first_prediction", {}).get("model") != r.get("prediction", {}).get("model") for r in targets):
+        lines += ["", f"The first predictions, made when each run was measured: {_summary(all_first)}."]
+    secs = [r["wall_s"] for r in runs]
+    lines += ["", f"_Sessions {', '.join(sessions)}: {len(runs)} runs ({len(targets)} targets, "
+              f"{sum(r['status'] != 'ok' for r in runs)} failed), {sum(secs) / 60:.0f} min of runs on this "
+              f"{os.cpu_count()}-core machine; every run in docs/predict/trace-validation.json._", ""]
+    return "\n".join(lines)
+
+
+def write_section(data: Dict[str, Any]) -> None:
+    with open(SECTION, "w") as fh:
+        fh.write(render(data))
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(JOBS), help=f"comma-separated jobs (default all: {','.join(JOBS)})")
+    ap.add_argument("--hosts", default=",".join(map(str, HOSTS)), help="host counts (default 2,3,4)")
+    ap.add_argument("--repeats", type=int, default=1, help="recordings and targets per job and host count (default 1)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds each run may take (default 300)")
+    ap.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to it")
+    ap.add_argument("--repredict", action="store_true", help="only predict the kept runs again with today's model")
+    ap.add_argument("--render", action="store_true", help="only write the section from the JSON")
+    a = ap.parse_args(argv)
+    book = Book(a.fresh)
+    if a.render:
+        write_section(book.data)
+        return 0
+    if a.repredict:
+        repredict(book)
+        write_section(book.data)
+        return 0
+    names = a.only.split(",")
+    unknown = [n for n in names if n not in JOBS]
+    if unknown:
+        ap.error(f"unknown jobs {unknown}: choose from {', '.join(JOBS)}")
+    session = time.strftime("%Y%m%d-%H%M%S")
+    started = time.monotonic()
+    book.data.setdefault("sessions", []).append({"session": session, "model": _model_version(), "argv": list(argv),
+                                                 "load_before": os.getloadavg()[0], "cpus": os.cpu_count()})
+    for hosts in [int(h) for h in a.hosts.split(",")]:
+        for link in ("rate", "delay"):
+            jobs = [JOBS[n] for n in names if JOBS[n].link == link and not JOBS[n].unfit(hosts)]
+            if not jobs:
+                continue
+            print(f"== {hosts} hosts, {link}: {', '.join(j.name for j in jobs)} ({time.monotonic() - started:.0f} s)",
+                  flush=True)
+            try:
+                validate_hosts(book, session, jobs, hosts, link, a.repeats, a.timeout)
+            except Exception:  # a cluster that cannot be built: say so, go on with the next
+                traceback.print_exc()
+                book.data.setdefault("problems", []).append({"session": session, "hosts": hosts, "link": link,
+                                                             "error": traceback.format_exc()[-3000:]})
+                book.save()
+            write_section(book.data)
+    book.data["sessions"][-1].update(seconds=time.monotonic() - started, load_after=os.getloadavg()[0])
+    book.save()
+    write_section(book.data)
+    print(f"wrote {OUT} and {SECTION} in {(time.monotonic() - started) / 60:.0f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
