@@ -62,11 +62,12 @@ class P2POp(NamedTuple):
 
 class P2PWork(Work):
     """A point-to-point Work; `source` is the peer's communicator rank (for an any-source irecv: the
-    sender, None until it matched), `tag` and `nbytes` those of the message."""
+    sender, None until it matched), `tag` and `nbytes` those of the message; `entry`: the call's
+    flight-recorder entry, where the caller's wait is stamped."""
 
     def __init__(self, what: object, future: Any, source: Callable[[], Optional[int]], tag: int,
-                 nbytes: int, worker: Optional[Worker] = None) -> None:
-        super().__init__(what, future, worker)
+                 nbytes: int, worker: Optional[Worker] = None, entry: Optional[list] = None) -> None:
+        super().__init__(what, future, worker, entry)
         self._source_of, self.tag, self.nbytes = source, tag, nbytes
 
     @property
@@ -171,7 +172,7 @@ class Communicator:
             entry = rec.enter(ch.seq, collective, fingerprint, algo) if rec is not None else None
         if entry is not None:
             body = rec.traced(entry, body)
-        work = self._submit(ch.what, lambda: body(ch))
+        work = self._submit(ch.what, lambda: body(ch), entry if async_op else None)
         return work if async_op else work.result()
 
     def channel(self, collective: str, timeout: Optional[float] = None) -> Channel:
@@ -181,7 +182,8 @@ class Communicator:
                        self.timeout if timeout is None else timeout,
                        None, self.board, self.windows, collective, self.name)
 
-    def _submit(self, what: object, fn: Callable[[], Any]) -> Work:
+    def _submit(self, what: object, fn: Callable[[], Any], entry: Optional[list] = None) -> Work:
+        """Queue `fn` on this communicator's worker (`entry`: the flight-recorder entry its Work stamps waits in)."""
         if self._worker is None:
             self._worker = Worker(f"pycoll-{self.name}")
 
@@ -191,7 +193,7 @@ class Communicator:
             finally:
                 with self._seq_lock:
                     self._inflight -= 1
-        return self._worker.submit(what, tracked)
+        return self._worker.submit(what, tracked, entry)
 
     def _tuner_channel(self, seq: int) -> Channel:
         """A Channel on the tuner's own communicator id (calibration at init), off the call numbering."""
@@ -708,7 +710,7 @@ class Communicator:
             return result
         work = self._p2p_worker.submit(what, finish)
         return P2PWork(what, work.get_future(), lambda: self._source(req), req.key.tag, req.nbytes,
-                       self._p2p_worker)
+                       self._p2p_worker, entry)
 
     def _p2p_key(self, tag: int, call: str) -> MsgKey:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:

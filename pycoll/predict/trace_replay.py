@@ -14,13 +14,16 @@ and the calls become instances shared by the ranks taking part, with the depende
 - a point-to-point receive matches the send of the same pair and tag in posting order (MPI's
   non-overtaking order, the transport's); the transfer starts when both are posted, and a
   pipeline stage that waits on its neighbour's activations waits through this;
-- an async call lets the caller compute on. The recorder keeps no wait times (when the caller
-  waited on a Work is not recorded: that happens in pycoll/work.py), so they are inferred: a call
-  that ended before the caller's next event was waited for at once (torch's blocking collectives
-  wait right after the launch; the trainer and DDP wait on their last bucket at the end of
-  backward) and the caller was blocked until it ended; any other call is waited for just before
-  the caller's first event after it ended (the latest point the trace allows: on the recorded
-  run it blocked nothing).
+- an async call lets the caller compute on until it waits on the call's Work. The recorder keeps,
+  per async call, when the caller's first wait that found it done began and returned (`wait_begin`,
+  `wait_end`: pycoll/work.py stamps them, torch's Work too): the program computes up to
+  `wait_begin`, then waits for the call there, and goes on from when the call ended or the wait
+  began, whichever is later. Where a call has no recorded wait (dumps written before pycoll kept
+  them; a call only polled with is_completed(), never waited for, or waited for through a future,
+  as DDP does) the wait is inferred: a call that ended before the caller's next event was waited
+  for at once (the trainer and DDP wait on their last bucket at the end of backward) and the
+  caller was blocked until it ended; any other call is waited for just before the caller's first
+  event after it ended (the latest point the trace allows: on the recorded run it blocked nothing).
 
 Each member's time in an instance is split into what it took after the last member was ready
 (`after`, the part a slower link stretches) and, where it finished before that (an eager send, a
@@ -317,11 +320,18 @@ def _p2p(held: Dict[int, List[Tuple[dict, dict]]], comms: Dict[str, Dict[str, An
     return out
 
 
+def _waited(e: dict) -> bool:
+    """Whether entry `e` holds when its caller waited on it (an async call waited for, in a dump that
+    records waits)."""
+    return e.get("wait_begin") is not None and e.get("wait_end") is not None
+
+
 def _program(rank: int, calls: List[Tuple[dict, Instance]], marks: List[Tuple[int, float]], begin: float) -> List[Op]:
-    """Rank `rank`'s program from its matched calls and its marks (see the module docstring for
-    how waits are inferred)."""
+    """Rank `rank`'s program from its matched calls, their recorded waits and its marks (see the
+    module docstring for how the waits a dump does not hold are inferred)."""
     events: List[Tuple[float, int, Any]] = [(e["enter"], 0, (e, inst)) for e, inst in calls]
     events += [(t, 1, k) for k, t in marks]
+    events += [(e["wait_begin"], 2, (e, inst)) for e, inst in calls if _waited(e)]
     events.sort(key=lambda ev: (ev[0], ev[1]))
     ops: List[Op] = []
     released = begin
@@ -342,12 +352,17 @@ def _program(rank: int, calls: List[Tuple[dict, Instance]], marks: List[Tuple[in
             ops.append(Op("mark", step=what))
             continue
         e, inst = what
+        if kind == 2:  # the recorded wait: blocked until the call ended (the wait's own return is compute)
+            ops.append(Op("wait", key=inst.key))
+            released = max(released, e["end"])
+            continue
         nxt = events[i + 1][0] if i + 1 < len(events) else math.inf
-        block = (inst.kind == "coll" and e["start"] == e["enter"]) or e["call"] in BLOCKING_P2P or nxt >= e["end"]
+        block = (inst.kind == "coll" and e["start"] == e["enter"]) or e["call"] in BLOCKING_P2P or \
+            (nxt >= e["end"] and not _waited(e))
         ops.append(Op("issue", key=inst.key, block=block))
         if block:
             released = max(released, e["end"])
-        else:
+        elif not _waited(e):
             pending.append((e["end"], inst.key))
     ops.extend(Op("wait", key=key) for _, key in sorted(pending))
     return ops
@@ -454,11 +469,13 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
         return (m, inst.comm, "p2p") if inst.queued[m] else None
 
     def resolve(inst: Instance) -> List[Instance]:
-        """Settle what can be settled of `inst`, member by member: a member is ready once it issued
-        the call and its queue reached it (a collective's queue also waits for the call before to
-        end); it ends `after` the last member was ready, or, where it did not wait for that (an
-        eager send, a scatter's root), `own` after it was ready itself; a p2p queue records
-        completions in posting order. Returns the instances next on the queues it moved."""
+        """Settle what can be settled of `inst`, member by member: a member of a collective is ready
+        once it issued the call and its queue reached it (and the call before on it ended); a p2p
+        member once it posted it (the transport moves a message whatever the queue waits on first:
+        an irecv posted before an isend on both sides of an exchange must not wait for each other).
+        It ends `after` the last member was ready, or, where it did not wait for that (an eager send,
+        a scatter's root), `own` after it was ready itself; a p2p queue records completions in
+        posting order. Returns the instances next on the queues it moved."""
         key, cost, coll = inst.key, costs.times[inst.key], inst.kind == "coll"
         rd, en = ready.setdefault(key, {}), ends.setdefault(key, {})
         nxt: List[Instance] = []
@@ -467,7 +484,10 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
             moved = False
             for m in inst.members:
                 lane = lane_of(inst, m)
-                if m in en or m not in issued[key] or (lane is not None and lanes[lane][lane_pos[lane]] != key):
+                if m in en or m not in issued[key]:
+                    continue
+                head = lane is None or lanes[lane][lane_pos[lane]] == key
+                if coll and not head:
                     continue
                 if m not in rd:
                     free = lane_end.get(lane, -math.inf) if coll else -math.inf
@@ -476,7 +496,7 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
                     if len(rd) == len(inst.members):
                         start[key] = max(rd.values())
                 _, after, own = cost[m]
-                if after >= 0 and key not in start:
+                if (after >= 0 and key not in start) or not head:  # (p2p: it ends once its queue reaches it)
                     continue
                 e = max(start[key] + after if after >= 0 else rd[m] + own, rd[m])
                 if lane is not None:

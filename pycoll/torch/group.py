@@ -108,7 +108,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         def post() -> None:
             for t, w in zip(tensors, works):
-                t.copy_(sparse_sum(t, w.result()[0]))
+                t.copy_(sparse_sum(t, w.get_future().result()[0]))  # (done; not a wait of the caller's)
         return PycollWork(works, tensors, post)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Optional[PycollWork]:

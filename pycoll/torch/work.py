@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -60,8 +61,8 @@ class PycollWork(dist.Work):
             if not self._finished:
                 error: Optional[BaseException] = None
                 try:
-                    for w in self._works:
-                        w.result()
+                    for w in self._works:  # (done: their futures, not their waits, which would record one)
+                        w.get_future().result()
                     if self._post is not None:
                         self._post()
                 except BaseException as e:
@@ -75,7 +76,10 @@ class PycollWork(dist.Work):
                     self._src.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Block until the last pycoll Work is done (and `post` ran); re-raise the first error. The
+        pycoll Works' flight-recorder entries get this wait (the first that finds them done)."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        since = time.time()
         if not self._finished:
             last = self._works[-1]
             if seconds:
@@ -91,6 +95,8 @@ class PycollWork(dist.Work):
             self._finish()
         if self._error is not None:
             raise self._error
+        for w in self._works:
+            w.waited(since)
         return True
 
     def is_completed(self) -> bool:

@@ -4,7 +4,9 @@ Recording is on the hot path of every call, so it does no formatting. A blocking
 once, when it ends: one tuple (call number, collective, the fingerprint tuple the communicator
 built anyway, the algorithm function, times, the user's code and instruction) in a preallocated
 ring; while it runs, a dump finds it on its thread's stack. Queued (async) and point-to-point
-calls get a list that changes state as they go.
+calls get a list that changes state as they go; the Work of an async call (pycoll/work.py) stamps in
+it when the caller's first wait that found the call done began and returned (two floats: the ring
+still holds nothing else for the garbage collector to scan).
 Everything is turned into text only when a dump is written: when a pycoll error ends a call, on
 SIGUSR1 (the job goes on), on SIGTERM (then the process ends as it would have), after an
 uncaught exception, and when the job ends normally (its world communicator closes, or the process
@@ -47,8 +49,10 @@ STATES = ("queued", "started", "completed", "failed")
 P2P_CALLS = ("send", "recv", "isend", "irecv")
 FORMAT = 1  # the dump's "pycoll_trace" version
 
-# one ring entry: a list indexed by these (a list, not an object: cheapest to build and to update)
-SEQ, CALL, FP, ALGO, STATE, T_ENTER, T_START, T_END, FILE, LINE, PEERS, ERROR = range(12)
+# one ring entry: a list indexed by these (a list, not an object: cheapest to build and to update).
+# WAIT_BEGIN and WAIT_END: None for a call with no Work (blocking); for an async one 0.0 until a wait
+# on its Work returns with it done, then when that wait began and returned (pycoll/work.py stamps them)
+SEQ, CALL, FP, ALGO, STATE, T_ENTER, T_START, T_END, FILE, LINE, PEERS, ERROR, WAIT_BEGIN, WAIT_END = range(14)
 
 # the live file: a header, then SLOTS slots of SLOT_BYTES (8 int64 columns, then the name)
 LIVE_MAGIC = b"PYCLIVE1"
@@ -169,7 +173,7 @@ class Recorder:
     def enter(self, seq: int, call: str, fingerprint: Tuple, algo: Any) -> list:
         """Record that call number `seq` was queued (async, or behind async work); traced() runs it."""
         t = _time()
-        e = [seq, call, fingerprint, algo, QUEUED, t, t, 0.0, None, 0, None, None]
+        e = [seq, call, fingerprint, algo, QUEUED, t, t, 0.0, None, 0, None, None, None, None]
         _site(e, 3)  # this, Communicator._run, the collective's method, then the user's frame
         self._store(e)
         if self._live is not None:
@@ -187,7 +191,7 @@ class Recorder:
         try:
             result = body(ch)
         except BaseException as error:
-            e = [seq, call, fingerprint, algo, STARTED, t, t, 0.0, None, 0, None, None]
+            e = [seq, call, fingerprint, algo, STARTED, t, t, 0.0, None, 0, None, None, None, None]
             _site(e, 3)
             self._store(e)
             self.fail(e, error)
@@ -211,7 +215,7 @@ class Recorder:
                 _CODES[code] = f.f_code
         n = self._n
         self._ring[n % self.capacity] = (seq, call, fingerprint, _algo_id(algo) if aid is None else aid, COMPLETED,
-                                         t, t, _time(), code, 0 if f is None else f.f_lasti, None, None)
+                                         t, t, _time(), code, 0 if f is None else f.f_lasti, None, None, None, None)
         self._n = n + 1
         if live is not None:
             live[self._base + _C_COMPLETED] = seq
@@ -227,7 +231,7 @@ class Recorder:
         """Record a point-to-point call (`fingerprint`: dtype, count, peer, tag); numbered on its own."""
         self._p2p += 1
         t = _time()
-        e = [self._p2p, call, fingerprint, None, STARTED, t, t, 0.0, None, 0, None, None]
+        e = [self._p2p, call, fingerprint, None, STARTED, t, t, 0.0, None, 0, None, None, None, None]
         _site(e, 2)
         self._store(e)
         if self._live is not None:
@@ -304,7 +308,7 @@ class Recorder:
                 v = f.f_locals if f.f_code is _CALL_CODE else None  # (f_locals builds a dict: once)
                 if v is not None and v.get("self") is self and "t" in v:
                     e = [v["seq"], v["call"], v["fingerprint"], v["algo"], STARTED, v["t"], v["t"], 0.0, None, 0,
-                         None, None]
+                         None, None, None, None]
                     user = _first_outside(f.f_back)
                     if user is not None:
                         e[FILE], e[LINE] = user.f_code, user.f_lasti
@@ -375,6 +379,8 @@ def _entry_json(e: list) -> Dict[str, Any]:
             out["send_counts"] = [int(c) for c in fifth]
     out.update(state=STATES[e[STATE]], enter=e[T_ENTER], start=e[T_START], end=e[T_END] or None,
                site=None if e[FILE] is None else f"{e[FILE].co_filename}:{_line(e[FILE], e[LINE])}")
+    if e[WAIT_BEGIN] is not None:  # an async call: when the caller waited on it (null: it never did)
+        out.update(wait_begin=e[WAIT_BEGIN] or None, wait_end=e[WAIT_END] or None)
     if e[PEERS] is not None:
         out["waiting_for"] = e[PEERS]
     if e[ERROR] is not None:
