@@ -296,8 +296,8 @@ def test_bad_targets_and_folders_are_refused(tp_trace, compute_trace, tmp_path, 
     bad.write_text("[0, 1, 1]")
     rc, _, err = predict(capsys, "--trace", tp_trace, "--placement", str(bad))
     assert rc == 2 and "places 3 ranks, the trace has 2" in err
-    rc, _, err = predict(capsys, "--trace", tp_trace, "--sweep")
-    assert rc == 2 and "--sweep" in err and "--workload only" in err
+    rc, _, err = predict(capsys, "--trace", tp_trace, "--algo", "ring")
+    assert rc == 2 and "--algo" in err and "--workload only" in err
     one = tmp_path / "one"
     one.mkdir()
     shutil.copy(os.path.join(tp_trace, "rank0.json"), one / "rank0.json")

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import EnvError
-from ..predict import trace_replay, trace_target
+from ..predict import trace_links, trace_replay, trace_sweep, trace_target
 from ..predict.model import Prediction, Target, build_topology, placement, predict, recorded_target
 from ..predict.workload import Workload, WorkloadError, load
 from ..topology import load_topo_file, rack_of_rank
@@ -64,12 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--algo", help="price every bucket with this allreduce algorithm (default: the tuner's pick)")
     ap.add_argument("--no-fit", action="store_true",
                     help="ignore the recorded run's measured slowdowns (compute interference, message latency)")
-    ap.add_argument("--sweep", action="store_true", help="table over hosts 1, 2, 4, .., H and ppn 1, 2, 4, .., L")
+    ap.add_argument("--sweep", action="store_true",
+                    help="table over hosts 1, 2, 4, .., H and ppn 1, 2, 4, .., L; --trace: the job's ranks spread "
+                         "over 1, 2, 4, .. hosts (up to --hosts, default one rank per host) and, for a data-parallel "
+                         "job, replicated to more ranks (--ppn per host, up to --hosts hosts, default 8)")
     ap.add_argument("--sweep-gbit", metavar="G,G,...", help="with --sweep: also over these link rates")
+    ap.add_argument("--data-parallel", action="store_true",
+                    help="with --trace --sweep: the trace's allreduces sum gradients (data parallelism; the "
+                         "trainer's are known to): also predict it on more ranks")
     ap.add_argument("--measured", nargs="+", metavar="FILE", help="trainer reports of real runs to predict and compare")
     ap.add_argument("--json", action="store_true", help="print JSON (the predicted step under step_ms)")
     ap.add_argument("--plot", metavar="OUT.png", help="with --measured: predicted against measured; with --sweep: "
-                                                      "step time and efficiency over ranks")
+                                                      "step time and efficiency over ranks (--trace: over hosts)")
     return ap
 
 
@@ -254,16 +260,22 @@ def plot_sweep(rows: List[Dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-TRACE_REFUSES = ("batch_size", "algo", "no_fit", "sweep", "sweep_gbit", "measured", "plot")
+TRACE_REFUSES = ("batch_size", "algo", "no_fit", "measured")
 
 
 def trace_main(args: argparse.Namespace) -> int:
-    """`pycoll predict --trace DIR [target options]`."""
+    """`pycoll predict --trace DIR [target options]`, or with --sweep over hosts and link rates."""
     given = [f"--{name.replace('_', '-')}" for name in TRACE_REFUSES if getattr(args, name)]
     if given:
         print(f"pycoll predict: {', '.join(given)} work with --workload only, not with --trace", file=sys.stderr)
         return 2
+    alone = [f"--{name.replace('_', '-')}" for name in ("sweep_gbit", "plot", "data_parallel") if getattr(args, name)]
+    if alone and not args.sweep:
+        print(f"pycoll predict: {', '.join(alone)} work with --sweep (with --trace)", file=sys.stderr)
+        return 2
     trace = trace_replay.load(args.trace)
+    if args.sweep:
+        return trace_sweep_main(trace, args)
     retargeted = (args.hosts is not None or args.ppn is not None or args.placement != "packed" or args.topo_file
                   or args.link_gbit is not None or args.link_latency_us is not None or args.shared_cores
                   or args.cores is not None)
@@ -276,11 +288,13 @@ def trace_main(args: argparse.Namespace) -> int:
             cores=args.cores)
         out = trace_target.whatif(trace, target, recorded)
     else:
+        target = recorded = trace_target.recorded_cluster(trace, trace_target.base_params())
         out = trace_replay.replay(trace)
         out["mode"] = "replay"
         typical = trace_replay.replay(trace, trace_replay.typical_costs(trace))
         out["typical"] = {"step_ms": typical["step_ms"], "error": typical["error"], "durations": typical["durations"]}
-    out.pop("_timeline", None)
+    out["links"] = trace_links.links(trace, out.pop("_timeline"), out["median_step"], out["slowest_rank"], target,
+                                     recorded)
     print(json.dumps(out, indent=1) if args.json else describe_trace(out))
     return 0
 
@@ -296,7 +310,7 @@ def describe_trace(out: Dict[str, Any]) -> str:
              f"(rank {out['slowest_rank']}, the slowest in step {out['median_step']})" if out["marked"] else
              f"compute {sp['compute_ms']:.2f} + exposed comm {sp['comm_ms']:.2f} + wait {sp['wait_ms']:.2f} "
              f"(rank {out['slowest_rank']})")
-    lines_why = _why_lines(out["why"], out["marked"])
+    lines_why = _why_lines(out["why"], out["marked"]) + trace_links.describe(out["links"])
     if out["mode"] == "replay":
         lines.append(f"replayed ({out['durations']}): {out['step_ms']:.2f} ms, measured {out['measured_step_ms']:.2f} "
                      f"ms ({what}): error {out['error']:+.1%}")
@@ -318,6 +332,25 @@ def describe_trace(out: Dict[str, Any]) -> str:
     if info["unmodeled"]:
         lines.append("  kept as recorded (no model): " + ", ".join(f"{k} x{v}" for k, v in info["unmodeled"].items()))
     return "\n".join(lines + lines_why)
+
+
+def trace_sweep_main(trace: trace_replay.Trace, args: argparse.Namespace) -> int:
+    """`pycoll predict --trace DIR --sweep [--sweep-gbit G,..] [--plot OUT.png] [--json]`."""
+    gbits: List[Optional[float]] = [args.link_gbit]
+    if args.sweep_gbit:
+        try:
+            gbits = [float(g) for g in args.sweep_gbit.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep-gbit {args.sweep_gbit}: not a comma-separated list of rates (1,10,100)") \
+                from None
+    out = trace_sweep.sweep(trace, hosts=args.hosts, ppn=args.ppn, gbits=gbits, latency_us=args.link_latency_us,
+                            placement=args.placement, cores=args.cores, shared_cores=args.shared_cores,
+                            topo=load_topo_file(args.topo_file) if args.topo_file else None,
+                            assert_dp=args.data_parallel)
+    if args.plot:
+        trace_sweep.plot(out, args.plot)
+    print(json.dumps(out, indent=1) if args.json else trace_sweep.render(out))
+    return 0
 
 
 PATH_LINES = 24  # the text answer shows this many items of a critical path (--json: all of them)
