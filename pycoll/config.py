@@ -131,8 +131,9 @@ class Var:
 _VARS = [
     # -- what runs ---------------------------------------------------------------------------
     Var("PYCOLL_TRANSPORT", one_of("auto", "tcp", "shm", "mpi", "verbs"), "auto",
-        "the transport: `auto` is shm between ranks on one host and tcp across hosts; `mpi` runs under "
-        "mpirun, `verbs` is RDMA (never picked by `auto`); `pycoll.init(transport=)` wins"),
+        "the transport: `auto` is shm between ranks on one host and, across hosts, verbs (RDMA) where both "
+        "ranks have an active RDMA port on one network, else tcp (`pycoll info` shows each pair's); `mpi` "
+        "runs under mpirun, `verbs` is RDMA between all ranks; `pycoll.init(transport=)` wins"),
     Var("PYCOLL_ALGO", TEXT, None,
         "NCCL syntax over algorithm names: `ring`, `allreduce:^tree`, "
         "`broadcast:ring;allreduce:halving_doubling`; unset: the tuner picks; set: no calibration probe"),
@@ -167,6 +168,9 @@ _VARS = [
         "RDMA device (and `:port`) for `verbs`, e.g. `mlx5_0:1`; unset: the first active port"),
     Var("PYCOLL_IB_GID_INDEX", integer(0), None,
         "GID index for `verbs`; unset: on RoCE the best of v2 IPv4-mapped, v2, v1; on InfiniBand 0"),
+    Var("PYCOLL_IB_DISABLE", FLAG, "0",
+        "`1`: `auto` never uses RDMA (ranks on other hosts are reached over tcp) and never loads pyverbs; "
+        "as NCCL_IB_DISABLE. A rank that sets it offers no RDMA port, so its pairs run tcp on both ends"),
     # -- transport tuning --------------------------------------------------------------------
     Var("PYCOLL_SHM_RING", size(0), "0",
         "bytes of each shm ring, rounded down to a power of two (at least 64 KiB); `0`: up to 16 MiB, "

@@ -22,6 +22,19 @@ class SinkReceive(Capability):
     buffer (a ring, a stream buffer, a landing zone), so a reduction can read it without a copy."""
 
 
+class Routes(Capability, ABC):
+    """Which transport carries each pair of ranks (`auto`: shm, verbs or tcp, decided at connect the
+    same way on every rank), for the tuner's link prices and `pycoll info`."""
+
+    @abstractmethod
+    def wire(self, a: int, b: int) -> str:
+        """The transport between transport ranks a and b ("shm", "verbs", "tcp"; "self" when a == b)."""
+
+    @abstractmethod
+    def port(self, rank: int) -> str:
+        """Rank `rank`'s RDMA port as it advertised it, or why it offers none."""
+
+
 class Striping(Capability, ABC):
     """Large payloads cut over several TCP streams per pair of ranks (NCCL_NSOCKS_PERTHREAD): where
     the network caps each flow below the link rate, k streams move up to k flows' worth. The

@@ -33,7 +33,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config
 from ..bootstrap.store import Store
-from ..errors import PeerError, ProtocolError, TimeoutError
+from ..errors import EnvError, PeerError, ProtocolError, TimeoutError
 from . import wire
 from .base import Request, Transport
 from .request import ANY
@@ -85,6 +85,7 @@ class _Peer:
         self.backlog: Deque[Tuple[int, bool, Callable[[], bool], Optional[Request]]] = deque()
         self.next_id = 0
         self.hello = self.bye = self.dead = self.probing = False
+        self.device = "?"  # its RDMA device, as it published it
         self.probe_target = (0, 0)  # (address, rkey) of the peer's probe word
 
 
@@ -120,7 +121,10 @@ class VerbsTransport(Transport):
                        "settles nor reconnects queue pairs")
 
     def __init__(self, rank: int, size: int, address: Optional[str] = None,
-                 hosts: Optional[List[str]] = None) -> None:
+                 hosts: Optional[List[str]] = None, *, peers: Optional[Sequence[int]] = None) -> None:
+        """`peers`: the ranks it may connect to (default all; AutoTransport passes those on other
+        hosts, then limit_to() the ones whose port shares its network). Opens the device and
+        registers its slots here, so a rank that cannot use verbs knows before it says it can."""
         super().__init__(rank, size)
         self.capabilities[SinkReceive] = SinkReceive()
         self._pv = pv = load_pyverbs()
@@ -129,18 +133,27 @@ class VerbsTransport(Transport):
         self._credits = credits = config.get("PYCOLL_VERBS_CREDITS")  # receive slots per peer
         self._spin_s = config.get("PYCOLL_VERBS_SPIN_US") * 1e-6  # CQ polling before blocking on the channel
         self._ack_timeout = config.get("PYCOLL_VERBS_ACK_TIMEOUT")  # 4.096 us * 2**n per try, 6 retries
+        self._candidates = sorted(set(range(size) if peers is None else peers) - {rank})
+        self._active = list(self._candidates)  # the peers connect() reaches (limit_to)
+        self._index = {r: i for i, r in enumerate(self._candidates)}  # peer -> its block of receive slots
+        npeers = len(self._candidates)
         self._ctx, port = open_port(pv, config.get("PYCOLL_IB_DEV") or "")
         self.port: Port = port
         e = pv.e
-        self._pd = pv.pd.PD(self._ctx)
-        self._channel, self._fd = open_channel(pv, self._ctx)
-        self._sq_depth = 2 * credits
-        self._cq = pv.cq.CQ(self._ctx, size * (credits + self._sq_depth) + 16, None, self._channel, 0)
-        local_write = e.IBV_ACCESS_LOCAL_WRITE
-        self._recv = SlotPool(pv, self._pd, size * credits, self._slot, local_write)
-        self._send = SlotPool(pv, self._pd, max(16, min(credits * (size - 1), 128)), self._slot, local_write)
+        try:
+            self._pd = pv.pd.PD(self._ctx)
+            self._channel, self._fd = open_channel(pv, self._ctx)
+            self._sq_depth = 2 * credits
+            self._cq = pv.cq.CQ(self._ctx, npeers * (credits + self._sq_depth) + 16, None, self._channel, 0)
+            local_write = e.IBV_ACCESS_LOCAL_WRITE
+            self._recv = SlotPool(pv, self._pd, max(1, npeers) * credits, self._slot, local_write)
+            self._send = SlotPool(pv, self._pd, max(16, min(credits * npeers, 128)), self._slot, local_write)
+            self._probe = SlotPool(pv, self._pd, 1, 64, local_write | e.IBV_ACCESS_REMOTE_WRITE)
+        except pv.Error as err:
+            self._ctx.close()
+            raise EnvError(f"rank {rank}: cannot set up RDMA resources on {port.device}: {err} (the locked-"
+                           "memory limit? `ulimit -l unlimited`)") from err
         self._free_slots = list(range(self._send.count))
-        self._probe = SlotPool(pv, self._pd, 1, 64, local_write | e.IBV_ACCESS_REMOTE_WRITE)
         self._mrs = MrCache(pv, self._pd, config.get("PYCOLL_VERBS_MR_CACHE"))
         self._landing = LandingPool(pv, self._pd, LANDING_KEEP)
         self._chunk = min(config.get("PYCOLL_VERBS_CHUNK"), self.port.max_msg) // 16 * 16
@@ -157,9 +170,13 @@ class VerbsTransport(Transport):
         self._token = b""
         self._closing = False
         self.rejected = 0
-        for peer in self._peers:
-            if peer.rank != rank:
-                self._create_qp(peer)
+
+    def limit_to(self, peers: Sequence[int]) -> None:
+        """Before connect(): reach only `peers` (of those given at construction)."""
+        extra = sorted(set(peers) - set(self._candidates))
+        if extra:
+            raise ValueError(f"rank {self.rank}: verbs was set up for ranks {self._candidates}, not {extra}")
+        self._active = sorted(set(peers))
 
     # -- connection set-up -------------------------------------------------------------------
     def _create_qp(self, peer: _Peer) -> None:
@@ -172,7 +189,7 @@ class VerbsTransport(Transport):
         attr.pkey_index = 0
         peer.qp.to_init(attr)
         for i in range(self._credits):
-            slot = peer.rank * self._credits + i
+            slot = self._index[peer.rank] * self._credits + i
             sge = pv.wr.SGE(self._recv.addr(slot), self._slot, self._recv.mr.lkey)
             peer.recv_wrs.append(pv.wr.RecvWR(wr_id=_RECV_BIT | slot, num_sge=1, sg=[sge]))
             peer.qp.post_recv(peer.recv_wrs[-1])
@@ -180,7 +197,9 @@ class VerbsTransport(Transport):
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._token = token
-        me = {"gid": self.port.gid, "lid": self.port.lid, "mtu": self.port.mtu,
+        for peer in self._others():
+            self._create_qp(peer)
+        me = {"dev": self.port.device, "gid": self.port.gid, "lid": self.port.lid, "mtu": self.port.mtu,
               "qpn": [p.qp.qp_num if p.qp else 0 for p in self._peers],
               "psn": [p.psn for p in self._peers],
               "probe": [self._probe.base, self._probe.mr.rkey]}
@@ -214,6 +233,7 @@ class VerbsTransport(Transport):
             info = json.loads(raw)
             qpn, psn = int(info["qpn"][self.rank]), int(info["psn"][self.rank])
             gid, lid, mtu = str(info["gid"]), int(info["lid"]), int(info["mtu"])
+            peer.device = str(info.get("dev", "?"))
             probe_addr, probe_rkey = (int(v) for v in info["probe"])
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise ProtocolError(f"rank {self.rank}: rank {peer.rank} published unusable verbs connection "
@@ -236,7 +256,8 @@ class VerbsTransport(Transport):
         peer.probe_target = (probe_addr, probe_rkey)
 
     def _others(self) -> List[_Peer]:
-        return [p for p in self._peers if p.rank != self.rank]
+        """The peers this transport reaches (each has a queue pair once connected)."""
+        return [self._peers[r] for r in self._active]
 
     # -- data path -----------------------------------------------------------------------------
     def _start_send(self, req: Request) -> None:
@@ -248,6 +269,9 @@ class VerbsTransport(Transport):
                 req.done = True
                 return
             p = self._peers[peer]
+            if p.qp is None:
+                raise ValueError(f"rank {self.rank}: the verbs transport has no queue pair to rank {peer} "
+                                 f"(it reaches ranks {self._active})")
             if req.nbytes <= self._eager_max:
                 def eager() -> bool:
                     self._post_message(p, OP_EAGER, header, view)
@@ -280,9 +304,24 @@ class VerbsTransport(Transport):
                 return all(r.done for r in reqs)
             if now - max(self._last_completion, probed) >= PROBE_AFTER:
                 self._probe_peers({p for r in reqs if not r.done  # any source: every peer
-                                   for p in (range(self.size) if r.peer == ANY else (r.peer,))})
+                                   for p in (self._active if r.peer == ANY else (r.peer,))})
                 probed = now
             self._wait_once(min(deadline - now, PROBE_AFTER), generation)
+
+    def progress(self) -> None:
+        """One non-blocking look at the completion queue (handle what completed, post what the credits
+        allow), unless another thread holds it: AutoTransport's turn for verbs while a caller waits on
+        another part, so a peer's clear-to-send is answered and its RDMA writes go on."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            moved = self._poll()
+        finally:
+            self._lock.release()
+        if moved:
+            with self._cond:
+                self._generation += 1
+                self._cond.notify_all()
 
     def _wait_once(self, limit: float, generation: Optional[int] = None) -> None:
         """Spin briefly on the CQ, then block on the completion channel for up to `limit` s (one
@@ -347,7 +386,7 @@ class VerbsTransport(Transport):
 
     def _on_receive(self, wc: Any) -> None:
         slot = wc.wr_id & ~_RECV_BIT
-        peer = self._peers[slot // self._credits]
+        peer = self._peers[self._candidates[slot // self._credits]]
         if wc.status != self._pv.e.IBV_WC_SUCCESS:
             self._peer_failed(peer, wc.status)
             return
@@ -539,7 +578,7 @@ class VerbsTransport(Transport):
         with self._lock:
             for rank in ranks:
                 peer = self._peers[rank]
-                if rank == self.rank or peer.dead or peer.probing or peer.sq_used >= self._sq_depth:
+                if peer.qp is None or peer.dead or peer.probing or peer.sq_used >= self._sq_depth:
                     continue
                 peer.probing = True
                 sge = pv.wr.SGE(self._probe.base, 8, self._probe.mr.lkey)
@@ -563,9 +602,9 @@ class VerbsTransport(Transport):
         if self.matcher.broken is None:
             log.warning("rank %d: rank %d died or became unreachable: %s", self.rank, peer.rank, why)
         self.matcher.break_job(PeerError(
-            f"rank {self.rank}: rank {peer.rank} died or became unreachable (its queue pair on "
-            f"{self.port.device} failed: {why}); this communicator cannot complete collectives any "
-            "more: recreate it", peer.rank))
+            f"rank {self.rank}: rank {peer.rank} died or became unreachable (the queue pair from "
+            f"{self.port.device} here to its {peer.device} failed: {why}); this communicator cannot complete "
+            "collectives any more: recreate it", peer.rank))
         self._fail_transfers(self.matcher.broken, None)
 
     def _on_bye(self, peer: _Peer) -> None:
@@ -617,7 +656,8 @@ class VerbsTransport(Transport):
                 break
             self._wait_once(0.05)
         for peer in self._others():
-            peer.qp.close()
+            if peer.qp is not None:
+                peer.qp.close()
         for resource in (self._mrs, self._landing, self._recv, self._send, self._probe, self._cq, self._channel,
                          self._pd, self._ctx):
             resource.close()

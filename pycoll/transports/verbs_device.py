@@ -3,8 +3,12 @@ registered memory (slot pools and a cache of user-buffer registrations) and the 
 channel's file descriptor. Nothing here knows about messages."""
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import mmap
 import os
+import socket
+import struct
 import threading
 import weakref
 from collections import deque
@@ -15,7 +19,9 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import config
+from ..bootstrap.netif import list_interfaces
 from ..errors import EnvError
+from .routes import Advert
 
 INSTALL_HINT = ("install it with `pip install 'pycoll[rdma]'` (builds rdma-core: needs cmake, "
                 "libnl-3-dev, libnl-route-3-dev, pkg-config, ninja and Cython<3.1) or, for the system "
@@ -23,6 +29,8 @@ INSTALL_HINT = ("install it with `pip install 'pycoll[rdma]'` (builds rdma-core:
 NO_DEVICE_HINT = ("no RDMA device is visible (/sys/class/infiniband is empty). Without an RDMA NIC, "
                   "soft-RoCE gives one: `modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0`; "
                   "or choose PYCOLL_TRANSPORT=tcp")
+SYS_IB = "/sys/class/infiniband"
+_SIOCGIFNETMASK = 0x891B
 _WHOLE_BUFFER_MAX = 1 << 30  # register a view's whole numpy base up to this size (later views hit)
 
 
@@ -49,6 +57,15 @@ def load_pyverbs() -> SimpleNamespace:
                            Error=PyverbsError)
 
 
+def rdma_present() -> bool:
+    """Whether any RDMA device exists (sysfs only: no import, microseconds), so that hosts without
+    one never load pyverbs."""
+    try:
+        return bool(os.listdir(SYS_IB))
+    except OSError:
+        return False
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the verbs transport cannot run here (no pyverbs, no device, no active port), or None."""
     try:
@@ -72,6 +89,74 @@ class Port:
     mtu: int        # ibv_mtu enum value of the active MTU
     ethernet: bool  # RoCE (routed by GID) rather than InfiniBand (by LID)
     max_msg: int
+
+    @property
+    def link(self) -> str:
+        """"InfiniBand", or the RoCE version of the GID in use ("RoCE v2", "RoCE v1")."""
+        if not self.ethernet:
+            return "InfiniBand"
+        kind = _read(f"{SYS_IB}/{self.device}/ports/{self.port}/gid_attrs/types/{self.gid_index}")
+        return "RoCE v2" if kind and "v2" in kind else "RoCE v1" if kind else "RoCE"
+
+    def advert(self) -> Advert:
+        """What `auto` tells the peers about this port: the network its GID lies on (routes.py)."""
+        link = self.link
+        network, why = gid_network(self.gid, link)
+        return Advert(self.device, self.port, str(ipaddress.IPv6Address(self.gid)), self.gid_index, link,
+                      network, why)
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def gid_network(gid: str, link: str) -> Tuple[str, str]:
+    """(network, why not) of a GID: InfiniBand, its 64-bit subnet prefix; RoCE, the IP network of the
+    address the GID carries (an IPv4-mapped GID: the netmask of the interface with that address; an
+    IPv6 one: its prefix length in /proc/net/if_inet6). A link-local RoCE GID names no network that
+    two hosts could be seen to share: ("", why)."""
+    addr = ipaddress.IPv6Address(gid)
+    if link == "InfiniBand":
+        return "ib " + ":".join(addr.exploded.split(":")[:4]), ""
+    kind = link.lower().replace(" ", "-")
+    if addr.ipv4_mapped is not None:
+        ip4 = str(addr.ipv4_mapped)
+        mask = _ipv4_netmask(ip4)
+        if mask is None:
+            return "", f"its address {ip4} is on no interface here"
+        return f"{kind} {ipaddress.IPv4Network(f'{ip4}/{mask}', strict=False)}", ""
+    if addr.is_link_local:
+        return "", ("a link-local GID names no network; set PYCOLL_IB_GID_INDEX to a GID that carries "
+                    "the interface's IP address")
+    plen = _ipv6_prefix(addr)
+    if plen is None:
+        return "", f"its address {addr} is on no interface here"
+    return f"{kind} {ipaddress.IPv6Network(f'{addr}/{plen}', strict=False)}", ""
+
+
+def _ipv4_netmask(ip4: str) -> Optional[str]:
+    for name, addr in list_interfaces():
+        if addr == ip4:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), _SIOCGIFNETMASK, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    return None
+            return socket.inet_ntoa(packed[20:24])
+    return None
+
+
+def _ipv6_prefix(addr: ipaddress.IPv6Address) -> Optional[int]:
+    want = addr.exploded.replace(":", "")
+    for line in (_read("/proc/net/if_inet6") or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] == want:
+            return int(fields[2], 16)
+    return None
 
 
 def open_port(pv: SimpleNamespace, spec: str = "") -> Tuple[Any, Port]:
