@@ -379,6 +379,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if (args.hosts is not None and args.hosts < 1) or (args.ppn is not None and args.ppn < 1):
         print("pycoll predict: --hosts and --ppn must be at least 1", file=sys.stderr)
         return 2
+    if args.data_parallel and not args.trace:
+        print("pycoll predict: --data-parallel works with --trace --sweep (a --workload is data parallel)",
+              file=sys.stderr)
+        return 2
     if args.trace:
         try:
             return trace_main(args)

@@ -72,7 +72,8 @@ def _row(out: Dict[str, Any], cluster: ClusterSpec, compute: Dict[int, float]) -
     """The columns a sweep row shares with a single prediction."""
     per_host = Counter(cluster.host_of)
     return {"hosts": len(per_host), "per_host": max(per_host.values()), "ranks": len(cluster.host_of),
-            "gbit": 8e-9 / cluster.params.net.beta, "latency_us": cluster.params.net.alpha * 1e6,
+            "gbit": float(f"{8e-9 / cluster.params.net.beta:.6g}"),
+            "latency_us": float(f"{cluster.params.net.alpha * 1e6:.6g}"),
             "step_ms": out["step_ms"], "split": out["split"], "median_step": out["median_step"],
             "compute_factor": max(compute.values()) if compute else 1.0}
 
