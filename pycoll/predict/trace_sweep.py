@@ -278,15 +278,15 @@ def _split(r: Dict[str, Any]) -> str:
 
 def render(out: Dict[str, Any]) -> str:
     """The sweep as text: notes, the spread table and the weak-scaling table (or why there is none)."""
-    step = "step" if out["marked"] else "span (no step marks)"
+    step = "median predicted step (a decoding job's step is a token: time per output token)" if out["marked"] \
+        else "predicted span (no step marks: the whole recorded span is one step)"
     lines = [f"sweep of trace {out['trace']}: {out['ranks']} ranks" + (f", job {out['job']}" if out["job"] else "")
              + f", recorded on {out['recorded']['hosts']} host(s)"]
     lines += [f"note: {x}" for x in out["notes"]]
     lines += ["", f"The same job spread over more hosts: its {out['ranks']} ranks (the job's world size: its TP "
               f"degree, stages, ...) placed {out['placement']} on each host count, {out['cores']} cores per host"
               + (f", all ranks on {out['shared_cores']} shared cores" if out["shared_cores"] else "")
-              + f". Median predicted {step} (a decoding job's step is a token: time per output token); "
-              "vs 1 host: this step / the 1-host step at that rate.",
+              + f". Step ms: the {step}; vs 1 host: this step / the 1-host step at that rate.",
               "| link Gbit/s | latency us | hosts | ranks per host | step ms | compute | exposed comm | wait | "
               "vs 1 host | busiest link: share of the step, bytes |",
               "|---|---|---|---|---|---|---|---|---|---|"]
