@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from . import calibration, debug, ft
+from . import calibration, debug, ft, grow
 from .algorithms import symmetric
 from .bootstrap.rendezvous import Membership
 from .bootstrap.store import Store
@@ -831,3 +831,12 @@ class Communicator:
 
 def _displacements(counts: Sequence[int]) -> List[int]:
     return [int(v) for v in np.concatenate([[0], np.cumsum(counts)[:-1]])] if counts else []
+    def grow(self, *, timeout: Optional[float] = None, arrivals: Optional[int] = None) -> "Communicator":
+        """This communicator's members and the newcomers waiting in the job's store (restarted ranks, a
+        new node's: pycoll.join()) as one new communicator, members keeping their ranks, newcomers after
+        them (pycoll/grow.py); this one is released. Collective over the members, between calls (calls
+        in flight: RuntimeError). Returns self when nobody waits; GrowError when a newcomer does not
+        connect within `timeout` (PYCOLL_GROW_TIMEOUT), and the members go on here. `arrivals`: the
+        ticket the members already agreed on (ft.agree_max over grow.arrivals), saving an agreement."""
+        return grow.grow(self, timeout, arrivals)
+

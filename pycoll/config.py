@@ -248,6 +248,16 @@ _VARS = [
     # -- the test harness only ---------------------------------------------------------------
     Var("PYCOLL_RDMA_VM", FLAG, "0",
         "`1`: tests/test_verbs.py boots the soft-RoCE VM and runs the verbs tests there "
+    Var("PYCOLL_NEWCOMER", FLAG, "0",
+        "`1`: this process joins a running job (`pycoll.init()` calls `pycoll.join()`: it announces itself "
+        "in the store and waits for the members' next `comm.grow()`); set by `pycoll run --elastic` for a "
+        "restarted rank and for the ranks of a node that joins later (`--nnodes MIN:MAX`)"),
+    Var("PYCOLL_RESTART_COUNT", integer(0), "0",
+        "how many times `pycoll run --elastic --max-restarts K` has restarted this rank's slot (torchrun's "
+        "`TORCHELASTIC_RESTART_COUNT`); for the application, pycoll only reports it"),
+    Var("PYCOLL_GROW_TIMEOUT", number(), "60",
+        "seconds `comm.grow()` waits for the admitted newcomers to connect before the members go on "
+        "without them (`pycoll.GrowError`); per call: `timeout=`"),
         "(tests/rdma/README.md; `.ci/run-rdma-vm` sets it)", test=True),
     Var("PYCOLL_RDMA_CACHE", PATH, "/var/cache/pycoll-rdma",
         "where tests/rdma/build-image.sh keeps the VM image (about 900 MB)", test=True),

@@ -56,3 +56,26 @@ class StoreError(PycollError):
 
 class EnvError(PycollError, ValueError):
     """The launcher environment is incomplete or contradicts itself."""
+
+
+class GrowError(PycollError):
+    """comm.grow() or pycoll.join() did not complete (pycoll/grow.py): a newcomer never connected, a
+    member failed to, or one died meanwhile. On the members the old communicator is usable again,
+    unless `dead` (its members all survivors agree died during the grow) is non-empty: then shrink() it."""
+
+    def __init__(self, message: str, dead: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.dead = sorted(dead)
+
+
+class JobEnded(SystemExit):
+    """A newcomer (pycoll.join(), or pycoll.init() under PYCOLL_NEWCOMER=1) found that the job it was
+    to join has ended before admitting it: there is nothing left to do, so, uncaught, the process
+    exits with status 0 (as torchrun's agent does on a closed rendezvous). `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(0)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason

@@ -103,17 +103,28 @@ def revoke(comm: "Communicator") -> None:
 def agree(comm: "Communicator", flag: bool, timeout: Optional[float] = None) -> Tuple[bool, List[int]]:
     """Fault-tolerant AND of `flag` over the live members, and the members all survivors agree are
     dead (communicator ranks); see the module docstring for what it repairs."""
+    ok, dead, _ = agree_max(comm, flag, 0, timeout)
+    return ok, dead
+
+
+def agree_max(comm: "Communicator", flag: bool, value: int, timeout: Optional[float] = None
+              ) -> Tuple[bool, List[int], int]:
+    """agree() that also carries one non-negative integer per member and returns the largest the
+    survivors contributed: e.g. the newcomers any member has seen arrive (pycoll/grow.py), agreed
+    on in the same messages as a step's outcome, so that checking for them costs no extra round."""
     transport = _require(comm, "agree")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"rank {comm.rank}: agree value={value!r} must be a non-negative integer")
     with comm._seq_lock:
         mine = next(comm._seq)  # the next call number here: the agreed highest realigns the members
-    decision = _agree(comm, transport, bool(flag), 0, mine, comm._deadline(timeout, "agree"))
+    decision = _agree(comm, transport, bool(flag), int(value), mine, comm._deadline(timeout, "agree"))
     dead = [comm.group[r] for r in decision.dead]
     transport.settle(dead)
     if decision.dead:  # it cannot be used again: calls raise RevokedError until shrink()
         transport.revoke(comm.comm_id, ())
     else:
         _restore(comm, transport, decision)
-    return decision.ok, decision.dead
+    return decision.ok, decision.dead, max(decision.numbers.values())
 
 
 def _restore(comm: "Communicator", transport: Transport, decision: Decision) -> None:

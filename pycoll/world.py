@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from . import config
+from . import config, grow
 from .bootstrap.env import JobEnv, discover
-from .bootstrap.rendezvous import is_loopback, job_token, join, make_store
+from .bootstrap.rendezvous import is_loopback, job_token, make_store
+from .bootstrap.rendezvous import join as rendezvous
 from .bootstrap.store import PrefixStore, Store
 from .bootstrap.token import remove_private
 from .comm import Communicator
@@ -23,11 +25,15 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, store: Optional
     """Join the job and return the world communicator (also the default for module-level calls).
 
     With no arguments everything comes from the launcher's environment (torchrun, mpirun,
-    Slurm, `pycoll run`); `rank=, size=, store=` set it up by hand. Every PYCOLL_* variable is
-    checked first: a bad one is an EnvError naming it and what it accepts.
+    Slurm, `pycoll run`); `rank=, size=, store=` set it up by hand. A newcomer to a running job
+    (PYCOLL_NEWCOMER=1: a rank `pycoll run --elastic` restarted) joins it instead (join()).
+    Every PYCOLL_* variable is checked first: a bad one is an EnvError naming it and what it accepts.
     """
     global _default
     settings = config.load()
+    if settings["PYCOLL_NEWCOMER"] and rank is None and size is None and store is None:
+        _default = join(timeout)
+        return _default
     timeout = settings["PYCOLL_TIMEOUT"] if timeout is None else float(timeout)
     if store is not None and rank is None:
         raise EnvError("init(store=...) also needs rank= and size=")
@@ -48,7 +54,7 @@ def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_sto
     """Rendezvous on `ns` (a store namespace of this job's own), agree on the job token, connect the
     transport and calibrate: the world communicator of init() and of the torch backend (pycoll.torch).
     `owned_store` is closed with the communicator."""
-    membership = join(ns, job.rank, job.size, timeout)
+    membership = rendezvous(ns, job.rank, job.size, timeout)
     token, token_file = job_token(ns, job, membership, timeout)
     recorder.agreed_token(token)  # the flight recorder's dumps name the job by it (never the token itself)
     single_host = membership.local_size == job.size
@@ -63,12 +69,22 @@ def connect(job: JobEnv, ns: Store, transport: str, timeout: float, *, owned_sto
         remove_private(token_file)
     comm = Communicator(tr, range(job.size), job.rank, name, membership, timeout,
                         store=owned_store, owns_transport=True)
+    grow.register(comm, ns, replace(job, token=token), transport)  # where newcomers announce themselves
     try:
         comm.calibrate()
     except BaseException:
         comm.close()
         raise
     return comm
+
+
+def join(timeout: Optional[float] = None) -> Communicator:
+    """Join a running job as a newcomer (a restarted rank, a new node's ranks): announce this process
+    in the job's store and wait for the members' next comm.grow(); returns the grown communicator
+    (also the default), in which this rank follows the members. pycoll/grow.py says how."""
+    global _default
+    _default = grow.join(timeout)
+    return _default
 
 
 def default_comm() -> Communicator:

@@ -272,6 +272,13 @@ class TCPStoreServer:
                 return reply(ST_OK, _I64.pack(len(self._data)))
         return reply(ST_BAD)
 
+    def put(self, key: str, value: bytes) -> None:
+        """Set `key` from the serving process itself (a launcher telling the ranks something), waking
+        every client blocked on it, as a client's set would."""
+        with self._cond:
+            self._data[key.encode()] = bytes(value)
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop serving; clients blocked in get/wait see the connection close."""
         self._closed = True

@@ -9,6 +9,15 @@ is prefixed with `[rank R] `. The first rank to fail brings the whole job down, 
 hangs forever in a collective waiting for a dead peer, and each rank runs in its own
 process group, so teardown also reaches the processes a rank started.
 
+With --elastic a rank killed by a signal does not end the job (the others revoke, agree and shrink:
+pycoll/ft.py); with --max-restarts K as well, a rank that fails is started again in its slot, up to K
+times in all, as a newcomer (PYCOLL_NEWCOMER=1, PYCOLL_RESTART_COUNT=its slot's restarts) that
+pycoll.init() makes join the running job at the members' next comm.grow() (pycoll/grow.py), as
+torchrun's --max-restarts restarts workers; the restart after the K-th ends the job with the reason.
+--nnodes MIN:MAX starts the job on nodes 0..MIN-1; a node started later with a node rank in MIN..MAX-1
+joins it, its ranks newcomers too. Each such event is printed with the seconds since the launcher
+started.
+
 Every rank gets PYCOLL_TRACE_DIR (--trace-dir, or a private folder kept only if the job fails), so
 the flight recorder keeps each rank's progress in a live file there. The launcher reads those files
 without disturbing the ranks: SIGQUIT prints them (one line per rank, then how many ranks are up to
@@ -28,11 +37,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Dict, List
+from typing import IO, Dict, List, Optional, Tuple
 
 from ..bootstrap.store import TCPStoreServer
 from ..bootstrap.token import draw, env_token
 from ..errors import EnvError, StoreError
+from ..grow import CLOSED_KEY
 from ..trace import analysis
 
 MULTINODE_PORT = 29500  # the default master port when other nodes must know it in advance
@@ -53,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ... set, torchrun style.")
     p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
                    metavar="N", help="ranks to start on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, metavar="K", help="nodes in the job (default 1)")
+    p.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="K|MIN:MAX",
+                   help="nodes in the job (default 1); MIN:MAX (with --elastic): the job starts on nodes "
+                        "0..MIN-1, and a node started later with --node-rank MIN..MAX-1 joins it")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
-                   help="this node's index in 0..K-1 (default 0); node 0 serves the store")
+                   help="this node's index in 0..K-1 (0..MAX-1) (default 0); node 0 serves the store")
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
                    metavar="A", help="address of node 0 (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
@@ -77,12 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank that dies (killed by a signal) does not end the job: the others may revoke, agree "
                         "and shrink (pycoll/ft.py) and go on; exit 0 when every survivor exits 0. Sets "
                         "PYCOLL_TCP_HEARTBEAT=10 unless it is set")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="K",
+                   help="with --elastic: start a rank that fails (a signal or a non-zero exit) again in its slot, "
+                        "as a newcomer that joins the running job (PYCOLL_NEWCOMER=1, PYCOLL_RESTART_COUNT); at "
+                        "most K restarts in all: one more failure ends the job, saying so (default 0: none)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a Python module (python -m target)")
     p.add_argument("target", nargs="?", metavar="script.py|module|command",
                    help="a .py file runs with this Python; anything else runs as a command")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
     return p
+
+
+def parse_nnodes(text: str) -> Tuple[int, int]:
+    """--nnodes K or MIN:MAX (torchrun's syntax) as (MIN, MAX); K is K:K."""
+    low, sep, high = text.partition(":")
+    try:
+        nodes = (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count K or a range MIN:MAX, got {text!r}") from None
+    if nodes[0] < 1 or nodes[1] < nodes[0]:
+        raise argparse.ArgumentTypeError(f"--nnodes {text}: need 1 <= MIN <= MAX")
+    return nodes
 
 
 def main(argv: List[str]) -> int:
@@ -96,11 +124,12 @@ def main(argv: List[str]) -> int:
     except SystemExit as e:  # argparse exits on bad input or --help; the caller wants a code
         return int(e.code or 0)
     master_port = args.master_port
+    multinode = args.nnodes[1] > 1
     if master_port is None:
-        master_port = 0 if args.nnodes == 1 else MULTINODE_PORT
+        master_port = MULTINODE_PORT if multinode else 0
     store_port = args.store_port
     if store_port is None:
-        store_port = 0 if args.nnodes == 1 else master_port + 1
+        store_port = master_port + 1 if multinode else 0
     host = "::" if ":" in args.master_addr else "0.0.0.0"
     server = None
     if args.node_rank == 0:
@@ -117,7 +146,9 @@ def main(argv: List[str]) -> int:
             except OSError as e:
                 _say(f"cannot find a free port for MASTER_PORT on {host}: {e}")
                 return 1
-        return _Job(args, cmd, master_port, store_port, token).run()
+        job = _Job(args, cmd, master_port, store_port, token)
+        job.server = server
+        return job.run()
     finally:
         if server is not None:
             server.close()
@@ -127,21 +158,27 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject arguments that cannot describe a job, before anything starts."""
     if args.nproc < 1:
         parser.error(f"-n/--nproc-per-node must be at least 1, not {args.nproc}")
-    if args.nnodes < 1:
-        parser.error(f"--nnodes must be at least 1, not {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        parser.error(f"--node-rank must be in 0..{args.nnodes - 1}, not {args.node_rank}")
+    low, high = args.nnodes
+    if high > low and not args.elastic:
+        parser.error(f"--nnodes {low}:{high} (nodes joining later) needs --elastic")
+    if not 0 <= args.node_rank < high:
+        parser.error(f"--node-rank must be in 0..{high - 1}, not {args.node_rank}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, not {args.max_restarts}")
+    if args.max_restarts and not args.elastic:
+        parser.error("--max-restarts needs --elastic: a restarted rank joins a job that went on without it")
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         parser.error(f"--master-port must be in 0..65535, not {args.master_port}")
-    if args.master_port == 0 and args.nnodes > 1:
+    multinode = high > 1
+    if args.master_port == 0 and multinode:
         parser.error("--master-port 0 (a random port) works only with --nnodes 1: "
                      "the other nodes must know the port in advance")
     if args.store_port is not None and not 0 <= args.store_port <= 65535:
         parser.error(f"--store-port must be in 0..65535, not {args.store_port}")
-    if args.store_port == 0 and args.nnodes > 1:
+    if args.store_port == 0 and multinode:
         parser.error("--store-port 0 (a random port) works only with --nnodes 1: "
                      "the other nodes must know the port in advance")
-    if args.nnodes > 1 and args.store_port is None and (args.master_port or MULTINODE_PORT) == 65535:
+    if multinode and args.store_port is None and (args.master_port or MULTINODE_PORT) == 65535:
         parser.error("--master-port 65535 leaves no port above it for pycoll's store: pass --store-port")
     if args.store_port and args.store_port == args.master_port:
         parser.error(f"--store-port and --master-port must differ (torch's store binds MASTER_PORT), "
@@ -177,18 +214,24 @@ def _job_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
         parser.error(str(e))
     if token is not None:
         return token.hex()
-    if args.nnodes > 1 and args.node_rank > 0:
-        parser.error(f"node {args.node_rank} of {args.nnodes} needs the job token that node 0 printed: "
+    nodes = _nodes_text(args.nnodes)
+    if args.nnodes[1] > 1 and args.node_rank > 0:
+        parser.error(f"node {args.node_rank} of {nodes} needs the job token that node 0 printed: "
                      "start it with PYCOLL_JOB_TOKEN=... (or PYCOLL_JOB_TOKEN_FILE=...) in its environment")
     token = draw()
-    if args.nnodes > 1:
+    if args.nnodes[1] > 1:
         _say(f"no PYCOLL_JOB_TOKEN was set, so this job's token is drawn here; start the other nodes with\n"
-             f"  PYCOLL_JOB_TOKEN={token.hex()} pycoll run --nnodes {args.nnodes} --node-rank R "
+             f"  PYCOLL_JOB_TOKEN={token.hex()} pycoll run --nnodes {nodes} --node-rank R "
              f"--master-addr {args.master_addr} --master-port "
              f"{args.master_port if args.master_port is not None else MULTINODE_PORT}"
              f"{f' --store-port {args.store_port}' if args.store_port is not None else ''} ...\n"
              "(keep it secret: whoever holds it can join the job)")
     return token.hex()
+
+
+def _nodes_text(nodes: Tuple[int, int]) -> str:
+    """--nnodes as it was written: K, or MIN:MAX."""
+    return str(nodes[0]) if nodes[0] == nodes[1] else f"{nodes[0]}:{nodes[1]}"
 
 
 class _Job:
@@ -209,6 +252,11 @@ class _Job:
         os.makedirs(self.trace_dir, exist_ok=True)
         self.failed = False
         self._lost: Dict[int, int] = {}  # --elastic: ranks killed by a signal -> exit code
+        self.started = time.monotonic()
+        self.restarts: List[str] = []  # --max-restarts: what was restarted, and when
+        self.slot_restarts: Dict[int, int] = {}  # slot -> times restarted
+        self.finishing = False  # a rank exited 0: the job is ending, nobody is restarted any more
+        self.server: Optional[TCPStoreServer] = None  # node 0: the store (newcomers learn there that it ended)
 
     def run(self) -> int:
         """Start every rank and supervise them; always leaves no rank or rank's child behind."""
@@ -238,9 +286,16 @@ class _Job:
     def _on_quit(self, signum: int, frame: object) -> None:
         self.quits += 1
 
+    @property
+    def joiner(self) -> bool:
+        """This node joins a running job (--nnodes MIN:MAX, node rank MIN or more): its ranks are newcomers."""
+        return self.args.node_rank >= self.args.nnodes[0]
+
     def _env(self, rank: int, local_rank: int) -> Dict[str, str]:
         a = self.args
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(a.nproc * a.nnodes),
+        low, high = a.nnodes
+        size = a.nproc * (high if self.joiner else low)  # a newcomer's RANK is its slot: within this size
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size),
                    LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
                    GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.master_port),
@@ -251,11 +306,16 @@ class _Job:
         env.pop("PYCOLL_JOB_TOKEN_FILE", None)
         if a.elastic:
             env.setdefault("PYCOLL_TCP_HEARTBEAT", "10")  # ranks cut off by a partition count as dead
+            restarts = self.slot_restarts.get(rank, 0)
+            env["PYCOLL_RESTART_COUNT"] = str(restarts)
+            env["PYCOLL_NEWCOMER"] = "1" if restarts or self.joiner else "0"
         return env
 
     def _spawn(self, rank: int, local_rank: int) -> None:
         proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        if rank in self.pumps:  # a restart: the previous process's output is drained first
+            self._join_output(rank)
         self.procs[rank] = proc
         prefix = f"[rank {rank}] ".encode()
         self.pumps[rank] = [threading.Thread(target=_pump, args=(src, dst, prefix), daemon=True,
@@ -282,10 +342,16 @@ class _Job:
             for rank in ended:
                 del running[rank]
             if self.args.elastic:
+                if any(c == 0 for c in ended.values()) and not self.finishing:
+                    self._finish()
+                if self.args.max_restarts:
+                    ended, code = self._restart(ended, running)
+                    if code is not None:
+                        return code
                 self._lost.update({r: c for r, c in ended.items() if c < 0})
                 for rank in sorted(r for r, c in ended.items() if c < 0):
                     _say(f"rank {rank} (pid {self.procs[rank].pid}) was killed by signal {_signal_name(-ended[rank])}; "
-                         "the others go on (--elastic)")
+                         f"the others go on (--elastic) [at {self._elapsed()}]")
                 ended = {r: c for r, c in ended.items() if c >= 0}
             failed = sorted((rank for rank, code in ended.items() if code != 0),
                             key=lambda rank: (ended[rank] > 0, rank))  # a killed rank is the likelier cause
@@ -313,6 +379,47 @@ class _Job:
             _say("every rank was killed; nobody survived (--elastic)")
             return 1
         return 0
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:.2f} s"
+
+    def _restart(self, ended: Dict[int, int], running: Dict[int, subprocess.Popen]
+                 ) -> Tuple[Dict[int, int], Optional[int]]:
+        """--max-restarts: start each failed rank of `ended` again in its slot, as a newcomer, while
+        restarts are left and no rank has finished; (the ranks still to judge, None), or (_, the job's
+        exit code) once a failure finds the restarts spent."""
+        failed = sorted(r for r, c in ended.items() if c != 0)
+        if self.finishing or not failed:
+            return ended, None
+        for rank in failed:
+            code = ended[rank]
+            how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            pid = self.procs[rank].pid
+            if len(self.restarts) >= self.args.max_restarts:
+                done = "; ".join(self.restarts)
+                _say(f"rank {rank} (pid {pid}) {how} [at {self._elapsed()}]: --max-restarts {self.args.max_restarts} "
+                     f"exhausted ({done}); ending the job")
+                return ended, self._fail(rank, code, [])
+            self.slot_restarts[rank] = self.slot_restarts.get(rank, 0) + 1
+            self.restarts.append(f"rank {rank} {how} at {self._elapsed()}")
+            local_rank = rank - self.args.node_rank * self.args.nproc
+            try:
+                self._spawn(rank, local_rank)
+            except OSError as e:
+                _say(f"cannot restart rank {rank} ({' '.join(self.cmd)}): {e}")
+                return ended, self._fail(rank, code, [])
+            running[rank] = self.procs[rank]
+            _say(f"rank {rank} (pid {pid}) {how} [at {self._elapsed()}]; restarted it as a newcomer (pid "
+                 f"{self.procs[rank].pid}, restart {len(self.restarts)} of --max-restarts {self.args.max_restarts}): "
+                 "it joins at the others' next grow")
+        return {r: c for r, c in ended.items() if r not in failed}, None
+
+    def _finish(self) -> None:
+        """A rank finished: the job is ending. No rank is restarted any more, and newcomers still waiting
+        to be admitted are told so through the store (they exit 0: pycoll.JobEnded)."""
+        self.finishing = True
+        if self.server is not None:
+            self.server.put(CLOSED_KEY, f"a rank exited 0 at {self._elapsed()} of `pycoll run`".encode())
 
     def _live_view(self, why: str) -> None:
         """Print each rank's progress from its live file (the ranks are not disturbed)."""

@@ -1,7 +1,7 @@
 """SGD with momentum and Adam, updating numpy parameters in place from (averaged) gradients."""
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import List, Sequence, Union
 
 import numpy as np
 
@@ -14,6 +14,10 @@ class SGD:
     def __init__(self, params: Sequence[np.ndarray], lr: float, momentum: float = 0.9) -> None:
         self.params, self.lr, self.momentum = list(params), lr, momentum
         self.velocity = [np.zeros_like(p) for p in self.params]
+
+    def state_arrays(self) -> List[np.ndarray]:
+        """The state a replica joining the run must receive (elastic training heals it with them)."""
+        return self.velocity
 
     def step(self, grads: Sequence[np.ndarray]) -> None:
         """Apply one update."""
@@ -32,6 +36,10 @@ class Adam:
         self.m = [np.zeros_like(p) for p in self.params]
         self.v = [np.zeros_like(p) for p in self.params]
         self.t = 0
+
+    def state_arrays(self) -> List[np.ndarray]:
+        """The moments a replica joining the run must receive (and `t`, the steps taken)."""
+        return self.m + self.v
 
     def step(self, grads: Sequence[np.ndarray]) -> None:
         """Apply one update."""

@@ -5,8 +5,10 @@ import sys
 from dataclasses import dataclass
 from typing import List
 
+import numpy as np
+
 from .schema import Metrics, TrainConfig, TrainResult
-from .timing import breakdown, scaling_efficiency
+from .timing import STEP_START, breakdown, scaling_efficiency
 
 BAR_WIDTH = 30
 
@@ -62,7 +64,7 @@ def summary_lines(result: TrainResult, cfg: TrainConfig) -> List[str]:
              + " ".join(str(b) for b in result.plan),
              "time per step (ms)  compute     comm     wait |  step  comm total  hidden"]
     for r, rows in enumerate(result.records):
-        b = breakdown(rows)
+        b = breakdown(rows[~np.isnan(rows[:, STEP_START])])  # (an elastic newcomer has no rows before it joined)
         comm, total = 1000 * b.comm.mean(), 1000 * b.comm_total.mean()
         lines.append(f"  rank {r:<12} {1000 * b.compute.mean():8.2f} {comm:8.2f} {1000 * b.wait.mean():8.2f} | "
                      f"{1000 * b.step.mean():5.2f} {total:11.2f} {_hidden(comm, total):6.0%}")

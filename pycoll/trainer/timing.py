@@ -56,7 +56,8 @@ def breakdown(rows: np.ndarray) -> Breakdown:
 
 def throughput(rows_per_rank: np.ndarray, global_batch: int) -> float:
     """Samples per second of training steps: the slowest rank's total step time sets the pace."""
-    busy = (rows_per_rank[:, :, STEP_END] - rows_per_rank[:, :, STEP_START]).sum(axis=1).max()
+    # (NaN rows: steps an elastic newcomer was not there for)
+    busy = np.nansum(rows_per_rank[:, :, STEP_END] - rows_per_rank[:, :, STEP_START], axis=1).max()
     return rows_per_rank.shape[1] * global_batch / busy
 
 
