@@ -792,6 +792,15 @@ class Communicator:
         one is released. PartitionError on a side cut off from the majority of a multi-host one."""
         return ft.shrink(self, timeout)
 
+    def grow(self, *, timeout: Optional[float] = None, arrivals: Optional[int] = None) -> "Communicator":
+        """This communicator's members and the newcomers waiting in the job's store (restarted ranks, a
+        new node's: pycoll.join()) as one new communicator, members keeping their ranks, newcomers after
+        them (pycoll/grow.py); this one is released. Collective over the members, between calls (calls
+        in flight: RuntimeError). Returns self when nobody waits; GrowError when a newcomer does not
+        connect within `timeout` (PYCOLL_GROW_TIMEOUT), and the members go on here. `arrivals`: the
+        ticket the members already agreed on (ft.agree_max over grow.arrivals), saving an agreement."""
+        return grow.grow(self, timeout, arrivals)
+
     def _shrunk(self, name: str, group: List[int], lanes: Optional[Dict[int, int]]) -> "Communicator":
         """shrink()'s communicator over `group` (transport ranks) with the agreed board `lanes`."""
         return self._child(name, [self.group.index(g) for g in group], lanes)
@@ -831,12 +840,3 @@ class Communicator:
 
 def _displacements(counts: Sequence[int]) -> List[int]:
     return [int(v) for v in np.concatenate([[0], np.cumsum(counts)[:-1]])] if counts else []
-    def grow(self, *, timeout: Optional[float] = None, arrivals: Optional[int] = None) -> "Communicator":
-        """This communicator's members and the newcomers waiting in the job's store (restarted ranks, a
-        new node's: pycoll.join()) as one new communicator, members keeping their ranks, newcomers after
-        them (pycoll/grow.py); this one is released. Collective over the members, between calls (calls
-        in flight: RuntimeError). Returns self when nobody waits; GrowError when a newcomer does not
-        connect within `timeout` (PYCOLL_GROW_TIMEOUT), and the members go on here. `arrivals`: the
-        ticket the members already agreed on (ft.agree_max over grow.arrivals), saving an agreement."""
-        return grow.grow(self, timeout, arrivals)
-

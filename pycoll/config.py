@@ -245,9 +245,6 @@ _VARS = [
         "port of the rendezvous store the launcher serves on `MASTER_ADDR` (set by `pycoll run`): "
         "`pycoll.init()` connects there and no rank serves one, so `MASTER_PORT` stays free for "
         "torch's own store"),
-    # -- the test harness only ---------------------------------------------------------------
-    Var("PYCOLL_RDMA_VM", FLAG, "0",
-        "`1`: tests/test_verbs.py boots the soft-RoCE VM and runs the verbs tests there "
     Var("PYCOLL_NEWCOMER", FLAG, "0",
         "`1`: this process joins a running job (`pycoll.init()` calls `pycoll.join()`: it announces itself "
         "in the store and waits for the members' next `comm.grow()`); set by `pycoll run --elastic` for a "
@@ -258,6 +255,9 @@ _VARS = [
     Var("PYCOLL_GROW_TIMEOUT", number(), "60",
         "seconds `comm.grow()` waits for the admitted newcomers to connect before the members go on "
         "without them (`pycoll.GrowError`); per call: `timeout=`"),
+    # -- the test harness only ---------------------------------------------------------------
+    Var("PYCOLL_RDMA_VM", FLAG, "0",
+        "`1`: tests/test_verbs.py boots the soft-RoCE VM and runs the verbs tests there "
         "(tests/rdma/README.md; `.ci/run-rdma-vm` sets it)", test=True),
     Var("PYCOLL_RDMA_CACHE", PATH, "/var/cache/pycoll-rdma",
         "where tests/rdma/build-image.sh keeps the VM image (about 900 MB)", test=True),
