@@ -10,6 +10,10 @@ gives all ranks the same numbers, so all make the same choices. Results are cach
 cost model's code, so numbers measured by other code are never reused. PYCOLL_TUNER=model uses
 built-in constants (and PYCOLL_TOPO_FILE "links"), =static the size rules of
 selection.default_order; setting PYCOLL_ALGO skips the probe.
+
+Where the transport reaches some pairs of hosts over verbs (auto, capabilities.Routes), those pairs
+are a link class of their own (tuner.RDMA): the first such pair of hosts ping-pongs like the net
+pair does, and the tcp pairs keep the net link (probed on the first of them).
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import EnvError
 from .topology import NET, SHM, Topology, last_level_cache, load_topo_file
-from .transports.capabilities import Striping
-from .tuner import DEFAULT, Link, Params, Tuner, info_log, pick_streams
+from .transports.capabilities import Routes, Striping
+from .tuner import DEFAULT, DEFAULT_RDMA, RDMA, Link, Params, Tuner, info_log, pick_streams
 from .version import __version__
 
 CACHE_TTL = 24 * 3600.0
@@ -42,10 +46,10 @@ BETA_FLOOR = 1 / 25e9  # no link is taken to be faster than 25 GB/s
 # a best 8-byte shm round trip of over 2 ms is the scheduler, not the link (10-60 us here, 2-8 ranks)
 SHM_ALPHA_MAX = 1e-3
 FLOW = "flow"  # one stream between hosts, measured with the net link
-COLUMNS = {SHM: (0, 1), NET: (2, 3), FLOW: (5, 6)}  # where each link's alpha and beta sit in Params.row()
+COLUMNS = {SHM: (0, 1), NET: (2, 3), FLOW: (5, 6), RDMA: (10, 11)}  # each link's alpha and beta (Params.row(), then rdma)
 CACHE, SPILL = 7, 8  # the columns of a host's last-level cache and the measured spill (Params.row())
 STREAMS = 9  # the calibration table's column of streams the net pair holds (after Params.row())
-WIDTH = 10
+WIDTH = 12
 SPILL_CAP = 128 << 20  # the spill probe copies at most this much (twice the cache in all, up to 256 MiB)
 
 
@@ -55,12 +59,13 @@ def mode() -> str:
 
 
 def file_links(topo_file: Optional[Dict] = None) -> Dict[str, Link]:
-    """Link parameters declared in PYCOLL_TOPO_FILE's "links" ({"net": {"latency_us", "gbit"}})."""
+    """Link parameters declared in PYCOLL_TOPO_FILE's "links" ({"net": {"latency_us", "gbit"}}; also
+    "shm", and "rdma" for the pairs of hosts reached over verbs)."""
     spec = load_topo_file() if topo_file is None else topo_file
     out = {}
     for cls, d in spec.get("links", {}).items():
-        if cls not in (SHM, NET) or not isinstance(d, dict) or not {"latency_us", "gbit"} <= set(d):
-            raise EnvError(f"PYCOLL_TOPO_FILE links: {cls!r} must be 'shm' or 'net' with latency_us and gbit")
+        if cls not in (SHM, NET, RDMA) or not isinstance(d, dict) or not {"latency_us", "gbit"} <= set(d):
+            raise EnvError(f"PYCOLL_TOPO_FILE links: {cls!r} must be 'shm', 'net' or 'rdma' with latency_us and gbit")
         out[cls] = Link(float(d["latency_us"]) * 1e-6, 8e-9 / float(d["gbit"]))
     return out
 
@@ -151,16 +156,40 @@ def spill_probe(key: str) -> Tuple[float, float]:
     return got["cache"], got["spill"]
 
 
-def probe_pairs(topo: Topology) -> Dict[str, Tuple[int, int]]:
+Wire = Callable[[int, int], str]  # the transport ("shm", "verbs", "tcp") between two ranks
+
+
+def probe_pairs(topo: Topology, wire: Optional[Wire] = None) -> Dict[str, Tuple[int, int]]:
     """The ranks that measure each link class: two ranks of the first host with two, and the first
-    ranks of the first two hosts."""
+    ranks of the first two hosts; where `wire` says some pairs of hosts talk over verbs, the first
+    ranks of the first such pair of hosts measure rdma, and of the first other pair, net."""
     pairs = {}
     shared = next((m for m in topo.members if len(m) > 1), None)
     if shared:
         pairs[SHM] = (shared[0], shared[1])
-    if topo.nhosts > 1:
-        pairs[NET] = (topo.members[0][0], topo.members[1][0])
+    for i in range(topo.nhosts):
+        for j in range(i + 1, topo.nhosts):
+            a, b = topo.members[i][0], topo.members[j][0]
+            cls = RDMA if wire is not None and wire(a, b) == "verbs" else NET
+            pairs.setdefault(cls, (a, b))
     return pairs
+
+
+def rdma_hosts(topo: Topology, wire: Optional[Wire]) -> frozenset:
+    """The pairs of host ids (sorted) whose first ranks talk over verbs (Params.rdma_hosts)."""
+    if wire is None:
+        return frozenset()
+    return frozenset(tuple(sorted((topo.hosts[i], topo.hosts[j]))) for i in range(topo.nhosts)
+                     for j in range(i + 1, topo.nhosts) if wire(topo.members[i][0], topo.members[j][0]) == "verbs")
+
+
+def wire_of(ch: Channel) -> Optional[Wire]:
+    """What carries each pair of the channel's ranks, where the transport says (auto's Routes)."""
+    routes = ch.transport.offers(Routes)
+    if routes is None:
+        return None
+    group = ch.group
+    return lambda a, b: routes.wire(group[a], group[b])
 
 
 def measure_gamma() -> float:
@@ -267,10 +296,10 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
               base: Params) -> Params:
     """Agree on Params across all ranks: cached or PYCOLL_TOPO_FILE values where present, probed
     where not. `make_channel(seq)` gives a Channel on the tuner's own communicator id."""
-    pairs = probe_pairs(topo)
+    first = make_channel(1)
+    pairs = probe_pairs(topo, wire_of(first))
     declared = file_links()
     keys = {cls: f"{transport}|{cls}|{topo.ranks[a].host}|{topo.ranks[b].host}" for cls, (a, b) in pairs.items()}
-    first = make_channel(1)
     striping = first.transport.offers(Striping)
     mine = np.full(WIDTH, np.nan)
     mine[4] = measure_gamma()
@@ -316,7 +345,9 @@ def calibrate(make_channel: Callable[[int], Channel], rank: int, topo: Topology,
         got = table[:, col][~np.isnan(table[:, col])]
         if got.size:
             row[col] = float(got.max())
-    params = Params.from_row(row, source)
+    params = replace(Params.from_row(row, source), rdma=base.rdma, rdma_hosts=base.rdma_hosts)
+    if not np.isnan(table[:, COLUMNS[RDMA][0]]).all():
+        params = replace(params, rdma=Link(*(float(np.nanmax(table[:, c])) for c in COLUMNS[RDMA])))
     streams = table[:, STREAMS][~np.isnan(table[:, STREAMS])]
     return replace(params, nsocks=pick_streams(params, int(streams.max()) if streams.size else 1))
 
@@ -330,14 +361,18 @@ def for_communicator(make_channel: Callable[[int], Channel], rank: int, topo: To
     if how == "static":
         return None
     params = base_params(topo)
+    over_verbs = rdma_hosts(topo, wire_of(make_channel(0)))
+    if over_verbs:
+        params = replace(params, rdma=file_links().get(RDMA, DEFAULT_RDMA), rdma_hosts=over_verbs)
     if how == "probe" and topo.size > 1 and not config.get("PYCOLL_ALGO"):
         t = time.perf_counter()
         params = calibrate(make_channel, rank, topo, transport, params)
         info_log().info("rank %d: tuner calibrated in %.0f ms (%s): shm %s, net %s, one stream %s, %d stream(s) "
-                        "per payload, copies %.2gx slower beyond %.0f MiB of cache", rank,
+                        "per payload, copies %.2gx slower beyond %.0f MiB of cache%s", rank,
                         (time.perf_counter() - t) * 1e3, params.source, params.shm.describe(),
                         params.net.describe(), params.flow_link().describe(), params.nsocks, params.spill,
-                        params.cache / (1 << 20))
+                        params.cache / (1 << 20), f"; rdma {params.rdma.describe()} between "
+                        f"{len(params.rdma_hosts)} pair(s) of hosts" if params.rdma_hosts else "")
     return Tuner(settle_streams(make_channel(4).transport.offers(Striping), params), board_bytes, stage_bytes,
                  peer_memory)
 

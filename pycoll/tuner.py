@@ -7,6 +7,7 @@ rounds, each with a count of back-to-back messages and the (src, dst, bytes) tra
     round time = messages * alpha(link) + max(NIC time, uplink time, flow time, shm time * crowd)
                  + reduced bytes * gamma * crowd
     NIC time   = max over hosts of max(bytes out, bytes in) across hosts * beta(net) * streams
+                 (bytes to hosts reached over verbs at beta(rdma), the rest at beta(net))
     uplink time = max over racks of max(bytes out, bytes in) across racks * beta(its uplink) * streams
     flow time  = max over pairs across hosts of their bytes * beta(flow) / nsocks
     shm time   = max over ranks of max(bytes out, bytes in) within a host * beta(shm)
@@ -27,6 +28,10 @@ the pattern share each NIC (the parallel inter-host phase of the hierarchical al
 in plain rank order over interleaved hosts pays for every rank's stream on the NIC, a host-ordered
 ring for one, and the hierarchical allreduce for 2(H-1)/H * S bytes per host.
 
+Pairs of hosts that the transport reaches over verbs (auto, where their RDMA ports share a network:
+Params.rdma_hosts) are a link class of their own, `rdma`: its alpha where a round's transfers across
+hosts all go over verbs, its beta for their bytes, and no flow cap (a queue pair is not a TCP flow).
+
 The model's parameters (Params) come from pycoll.calibration: defaults, PYCOLL_TOPO_FILE, a cache
 or a probe at init.
 
@@ -42,7 +47,7 @@ import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,6 +56,8 @@ from .algorithms.recursive_doubling import Fold
 from .algorithms.ring import segment_bytes, segments_per_block
 from .algorithms.tree import SEGMENT_BYTES as TREE_SEGMENT, btree
 from .topology import SHM, Topology, Uplinks
+
+RDMA = "rdma"  # the link class of host pairs the transport reaches over verbs
 
 log = logging.getLogger("pycoll.tuner")
 _log_ready = False  # the PYCOLL_DEBUG=INFO handler is attached
@@ -74,7 +81,9 @@ class Params:
     `flow`: one TCP stream between hosts where that is slower than the link (None: as fast), and
     `nsocks`: the streams a pair's payload is cut over; `cache`: a host's last-level cache in bytes
     (0: unknown), and `spill`: how many times slower a copy runs whose data fill twice that (1: no
-    measurement), for calls whose working set outgrows the cache (spill_factor)."""
+    measurement), for calls whose working set outgrows the cache (spill_factor); `rdma`: the link
+    between the hosts of `rdma_hosts` (pairs of host ids, sorted), which the transport reaches over
+    verbs (None, or no pairs: every pair of hosts is priced as net)."""
 
     shm: Link
     net: Link
@@ -84,10 +93,20 @@ class Params:
     nsocks: int = 1
     cache: float = 0.0
     spill: float = 1.0
+    rdma: Optional[Link] = None
+    rdma_hosts: FrozenSet[Tuple[str, str]] = frozenset()
 
     def link(self, cls: str) -> Link:
-        """The Link of class `cls` (shm or net)."""
-        return self.shm if cls == SHM else self.net
+        """The Link of class `cls` (shm, net or rdma)."""
+        return self.shm if cls == SHM else self.rdma or self.net if cls == RDMA else self.net
+
+    def rdma_pairs(self, topo: Topology) -> FrozenSet[Tuple[int, int]]:
+        """The (host index, host index) pairs of `topo`, both ways, priced as rdma."""
+        if self.rdma is None or not self.rdma_hosts:
+            return frozenset()
+        ids = topo.hosts
+        return frozenset((i, j) for i in range(len(ids)) for j in range(len(ids))
+                         if i != j and tuple(sorted((ids[i], ids[j]))) in self.rdma_hosts)
 
     def flow_link(self) -> Link:
         """One stream between hosts (the net link where no slower flow was measured)."""
@@ -137,6 +156,9 @@ SPILL_AT = 0.75  # 1 - cache / (2 * working set) where the probe measures spill 
 
 # Python-level constants measured on loopback/shm here; net defaults to 10 Gbit/s or the NIC speed
 DEFAULT = Params(shm=Link(40e-6, 1 / 1.5e9), net=Link(120e-6, 8 / 10e9), gamma=1 / 4e9)
+# verbs between hosts where nothing measured it (PYCOLL_TUNER=model): a message costs the Python of a
+# post and a completion (~20 us), and the rate is a 100 Gbit/s port's; the probe replaces both
+DEFAULT_RDMA = Link(20e-6, 8 / 100e9)
 
 
 class Round(NamedTuple):
@@ -302,35 +324,56 @@ def uplink_time(rnd: Round, host_of: Sequence[int], uplinks: Uplinks) -> float:
 
 
 def round_time(rnd: Round, host_of: Sequence[int], params: Params, streams: int = 1,
-               cores: Sequence[int] = (), uplinks: Optional[Uplinks] = None) -> float:
+               cores: Sequence[int] = (), uplinks: Optional[Uplinks] = None,
+               rdma: AbstractSet[Tuple[int, int]] = frozenset()) -> float:
     """Seconds one round takes on ranks placed on hosts `host_of`, with cores[h] cores on host h,
-    the hosts in racks with shared `uplinks` (None: one switch, no uplink between them)."""
+    the hosts in racks with shared `uplinks` (None: one switch, no uplink between them), and the
+    host pairs `rdma` (Params.rdma_pairs) reached over verbs."""
     nic_out: Dict[int, float] = {}
     nic_in: Dict[int, float] = {}
     mem_out: Dict[int, float] = {}
     mem_in: Dict[int, float] = {}
     widest = 0.0  # the largest transfer between two hosts: its own streams carry it
+    rdma_out: Dict[int, float] = {}  # bytes between hosts that go over verbs (the rest: nic_*)
+    rdma_in: Dict[int, float] = {}
     for src, dst, nbytes in rnd.pairs:
         hs, hd = host_of[src], host_of[dst]
-        if hs != hd:
+        if hs == hd:
+            mem_out[src] = mem_out.get(src, 0.0) + nbytes
+            mem_in[dst] = mem_in.get(dst, 0.0) + nbytes
+        elif rdma and (hs, hd) in rdma:
+            rdma_out[hs] = rdma_out.get(hs, 0.0) + nbytes
+            rdma_in[hd] = rdma_in.get(hd, 0.0) + nbytes
+        else:
             nic_out[hs] = nic_out.get(hs, 0.0) + nbytes
             nic_in[hd] = nic_in.get(hd, 0.0) + nbytes
             widest = max(widest, nbytes)
-        else:
-            mem_out[src] = mem_out.get(src, 0.0) + nbytes
-            mem_in[dst] = mem_in.get(dst, 0.0) + nbytes
-    link = params.net if nic_out else params.shm
+    link = params.net if nic_out else params.rdma if rdma_out else params.shm  # type: ignore[assignment]
     if rnd.duplex:
         nic_bytes = max(max(nic_out.values(), default=0.0), max(nic_in.values(), default=0.0))
     else:
         nic_bytes = max((nic_out.get(h, 0.0) + nic_in.get(h, 0.0) for h in set(nic_out) | set(nic_in)), default=0.0)
     nic = nic_bytes * params.net.beta
-    if uplinks is not None and nic_out:
+    if rdma_out:  # a host's verbs and tcp bytes share its NIC
+        nic = _nic_time(rnd.duplex, nic_out, nic_in, params.net.beta, rdma_out, rdma_in, params.rdma.beta)  # type: ignore[union-attr]
+    if uplinks is not None and (nic_out or rdma_out):
         nic = max(nic, uplink_time(rnd, host_of, uplinks))
     flow = widest * params.flow_link().beta / params.nsocks if params.flow is not None else 0.0
     mem = max(max(mem_out.values(), default=0.0), max(mem_in.values(), default=0.0)) * params.shm.beta
     crowd = crowding(rnd, host_of, cores)
     return rnd.msgs * link.alpha + max(nic * streams, flow, mem * crowd) + (rnd.reduce * params.gamma + rnd.cpu) * crowd
+
+
+def _nic_time(duplex: bool, net_out: Dict[int, float], net_in: Dict[int, float], net_beta: float,
+              rdma_out: Dict[int, float], rdma_in: Dict[int, float], rdma_beta: float) -> float:
+    """Seconds on the busiest NIC of a round whose bytes between hosts go partly over verbs."""
+    def load(h: int, out: bool) -> float:
+        return ((net_out if out else net_in).get(h, 0.0) * net_beta
+                + (rdma_out if out else rdma_in).get(h, 0.0) * rdma_beta)
+    hosts = set(net_out) | set(net_in) | set(rdma_out) | set(rdma_in)
+    if duplex:
+        return max(max(load(h, True), load(h, False)) for h in hosts)
+    return max(load(h, True) + load(h, False) for h in hosts)
 
 
 def excess(host_of: Sequence[int], cores: Sequence[int]) -> float:
@@ -466,7 +509,8 @@ class Tuner:
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, topo)
         params = self._priced(nbytes, topo)
-        return sum(round_time(r, topo.host_of, params, streams, topo.cores, topo.uplinks)
+        rdma = params.rdma_pairs(topo)
+        return sum(round_time(r, topo.host_of, params, streams, topo.cores, topo.uplinks, rdma)
                    for r in self.pattern(collective, algorithm, nbytes, topo))
 
     def _priced(self, nbytes: float, topo: Topology) -> Params:
@@ -559,8 +603,9 @@ class Tuner:
               choose: Optional[Callable[[str, int], str]] = None) -> str:
         """Predicted time of every modeled algorithm per size; `*` marks what `choose` (or the model) picks."""
         head = f"{'collective':<15}{'algorithm':<20}" + "".join(f"{_size(s):>10}" for s in sizes)
+        rdma = f", rdma {self.params.rdma.describe()}" if self.params.rdma is not None and self.params.rdma_hosts else ""
         lines = [f"tuner ({self.params.source}): shm {self.params.shm.describe()}, "
-                 f"net {self.params.net.describe()}{self._flow_note()}, reduce {1e-9 / self.params.gamma:.3g} GB/s"
+                 f"net {self.params.net.describe()}{self._flow_note()}{rdma}, reduce {1e-9 / self.params.gamma:.3g} GB/s"
                  f"{self._spill_note()}; "
                  f"{topo.size} ranks on {topo.nhosts} hosts", head]
         for coll in collectives:
