@@ -26,15 +26,18 @@ class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
     __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "_what", "board", "windows",
-                 "_after", "_call", "_comm")
+                 "_after", "_call", "_comm", "mark")
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object, board: Optional[Board] = None,
-                 windows: Optional["Registry"] = None, call: str = "", comm: str = "") -> None:
+                 windows: Optional["Registry"] = None, call: str = "", comm: str = "", mark: int = 0) -> None:
         # (positional or keyword: Communicator.channel() makes one per call and passes them by position,
         # which costs half what keywords do)
         self.transport, self.group, self.rank, self.size = transport, group, rank, len(group)
         self.comm_id, self.seq, self.timeout, self._what = comm_id, seq, timeout, what
+        # bits 8-15 of the dtype code of every message and board post of the call: a persistent handle's
+        # mark (persistent.py), 0 for a plain call; a receiver whose own differs fails with ProtocolError
+        self.mark = mark
         self.board = board  # the communicator's shared-memory board, where it has one
         self.windows = windows  # the communicator's registered buffers, where it can have them
         self._after: Optional[Dict[int, Callable[[], None]]] = None  # work to run once a request completes
@@ -57,22 +60,22 @@ class Channel:
                ) -> "Channel":
         """A new Channel on the same transport and deadline with the given fields replaced (a
         sub-group, another communicator id): how algorithms and checks open side channels. It has
-        no board: a board serves only its own communicator's calls."""
+        no board: a board serves only its own communicator's calls. It keeps the call's mark."""
         return Channel(transport=self.transport, group=self.group if group is None else group,
                        rank=self.rank if rank is None else rank,
                        comm_id=self.comm_id if comm_id is None else comm_id,
                        seq=self.seq if seq is None else seq, timeout=self.timeout,
-                       what=self.what if what is None else what)
+                       what=self.what if what is None else what, mark=self.mark)
 
     def isend(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Start sending `arr` to communicator rank `peer`."""
         return self.transport.isend(byte_view(arr), self.group[peer], MsgKey(self.comm_id, self.seq, tag),
-                                    dtype_code(arr.dtype))
+                                    dtype_code(arr.dtype) | self.mark)
 
     def irecv(self, arr: np.ndarray, peer: int, tag: int = 0) -> Request:
         """Post a receive of exactly `arr`'s bytes from communicator rank `peer`."""
         return self.transport.irecv(byte_view(arr), self.group[peer], MsgKey(self.comm_id, self.seq, tag),
-                                    dtype_code(arr.dtype))
+                                    dtype_code(arr.dtype) | self.mark)
 
     def irecv_reduce(self, out: np.ndarray, other: np.ndarray, peer: int, tag: int, op: ReduceOp,
                      scratch: np.ndarray) -> Request:
@@ -82,7 +85,7 @@ class Channel:
         into scratch); otherwise the message lands in `scratch` and is reduced in wait().
         """
         key = MsgKey(self.comm_id, self.seq, tag)
-        code = dtype_code(out.dtype)
+        code = dtype_code(out.dtype) | self.mark
         if self.transport.offers(SinkReceive) is not None:
             size = out.dtype.itemsize
 
@@ -117,7 +120,7 @@ class Channel:
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
         return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1),  # flat(arr) and dtype_code() inlined
-                              sig << 16 | (DTYPE_CODES.get(arr.dtype) or dtype_code(arr.dtype)),
+                              sig << 16 | (DTYPE_CODES.get(arr.dtype) or dtype_code(arr.dtype)) | self.mark,
                               self.group, self.timeout, self.what, stage, hole)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:

@@ -17,6 +17,7 @@ from .channel import Channel, byte_view
 from .errors import RevokedError
 from .ids import comm_hash, derived_id
 from .ops import AVG, DTYPE_CODES, ReduceOp, dtype_code, finish_avg, reduction
+from .persistent import PLAN, Persistent, PersistentP2P, collective as _persistent, point_to_point
 from .selection import Selector, resolve
 from .topology import Topology
 from .trace import recorder
@@ -160,6 +161,9 @@ class Communicator:
         """Run `body` on this call's Channel; `fingerprint` (dtype, count, op, root) is checked under DETAIL."""
         self._check_open(collective)
         timeout = self.timeout if timeout is None else self._deadline(timeout, collective)
+        if async_op is PLAN:  # making a persistent handle (persistent.py): the call, checked, not run
+            algo, self._chosen = self._chosen, None
+            return collective, body, timeout, fingerprint, algo
         if self._detail:
             body = debug.checked(collective, fingerprint[:4], body)  # (alltoallv's 5th: the recorder's)
         rec, algo, self._chosen = self._recorder, self._chosen, None
@@ -716,6 +720,60 @@ class Communicator:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < 2 ** 62:
             raise ValueError(f"rank {self.rank}: {call} tag={tag!r} must be an integer in 0..2**62-1")
         return MsgKey(self.comm_id, P2P_SEQ, int(tag))
+
+    # -- persistent calls (persistent.py) --------------------------------------------------------
+    # Each is checked as the plain call is and its algorithm chosen now; nothing is sent. h() runs it
+    # once (h.start() + h.wait() to overlap), any number of times, on the same buffers.
+    def allreduce_init(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *,
+                       timeout: Optional[float] = None, algo: Optional[str] = None) -> Persistent:
+        """allreduce(x, out, op) as a persistent handle (MPI_Allreduce_init)."""
+        return _persistent(self, self.allreduce, (x, out, op), {"algo": algo}, timeout,
+                           [("x", x, out is None), ("out", out, True)])
+
+    def reduce_init(self, x: Any, root: int = 0, op: OpLike = ReduceOp.SUM, out: Any = None, *,
+                    timeout: Optional[float] = None, algo: Optional[str] = None) -> Persistent:
+        """reduce(x, root, op, out) as a persistent handle (MPI_Reduce_init)."""
+        return _persistent(self, self.reduce, (x, root, op, out), {"algo": algo}, timeout,
+                           [("x", x, out is None and self.rank == root), ("out", out, True)])
+
+    def broadcast_init(self, x: Any, root: int = 0, *, timeout: Optional[float] = None,
+                       algo: Optional[str] = None) -> Persistent:
+        """broadcast(x, root) as a persistent handle (MPI_Bcast_init)."""
+        return _persistent(self, self.broadcast, (x, root), {"algo": algo}, timeout,
+                           [("x", x, self.rank != root)])
+
+    def allgather_init(self, x: Any, out: Any = None, *, timeout: Optional[float] = None,
+                       algo: Optional[str] = None) -> Persistent:
+        """allgather(x, out) as a persistent handle (MPI_Allgather_init); without `out` every run
+        writes into the one array the handle made."""
+        return _persistent(self, self.allgather, (x, out), {"algo": algo}, timeout,
+                           [("x", x, False), ("out", out, True)])
+
+    def reduce_scatter_init(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *,
+                            counts: Optional[Sequence[int]] = None, timeout: Optional[float] = None,
+                            algo: Optional[str] = None) -> Persistent:
+        """reduce_scatter(x, out, op, counts) as a persistent handle (MPI_Reduce_scatter_init)."""
+        return _persistent(self, self.reduce_scatter, (x, out, op), {"counts": counts, "algo": algo}, timeout,
+                           [("x", x, False), ("out", out, True)])
+
+    def alltoall_init(self, x: Any, out: Any = None, *, timeout: Optional[float] = None,
+                      algo: Optional[str] = None) -> Persistent:
+        """alltoall(x, out) as a persistent handle (MPI_Alltoall_init)."""
+        return _persistent(self, self.alltoall, (x, out), {"algo": algo}, timeout,
+                           [("x", x, False), ("out", out, True)])
+
+    def barrier_init(self, *, timeout: Optional[float] = None) -> Persistent:
+        """barrier() as a persistent handle (MPI_Barrier_init)."""
+        return _persistent(self, self.barrier, (), {}, timeout, [])
+
+    def send_init(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> PersistentP2P:
+        """send(x, dst, tag) as a persistent handle (MPI_Send_init): each start posts it."""
+        return point_to_point(self, "send", x, dst, tag, timeout)
+
+    def recv_init(self, x: Any, src: Optional[int] = ANY_SOURCE, tag: int = 0, *,
+                  timeout: Optional[float] = None) -> PersistentP2P:
+        """recv(x, src, tag) as a persistent handle (MPI_Recv_init): each start posts it."""
+        return point_to_point(self, "recv", x, src, tag, timeout)
 
     # -- sub-communicators ------------------------------------------------------------------------
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import builtins
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 
 class PycollError(RuntimeError):
@@ -28,7 +28,14 @@ class PeerError(PycollError):
 
 
 class ProtocolError(PeerError):
-    """A message arrived that does not match what this rank expected."""
+    """A message arrived that does not match what this rank expected. `codes`, where known: (the dtype
+    code the peer's message or board post carried, the one this rank expected); their bits 8-15 are a
+    persistent handle's mark (pycoll/persistent.py), 0 for a plain call."""
+
+    def __init__(self, message: str, peer: Optional[int] = None, ranks: Iterable[int] = (),
+                 codes: Optional[Tuple[int, int]] = None) -> None:
+        super().__init__(message, peer, ranks)
+        self.codes = codes
 
 
 class RevokedError(PycollError):

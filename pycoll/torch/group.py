@@ -13,6 +13,7 @@ from ..comm import Communicator
 from ..ops import ReduceOp
 from ..torch_autoload import BACKEND
 from .options import premul, reduce_op
+from .reuse import Handles
 from .tensors import contig, dense, flat_cat, scatter_into, sparse_bytes, sparse_sum
 from .work import PycollWork, chain
 
@@ -28,6 +29,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def __init__(self, comm: Communicator, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self.comm = comm
+        self.handles = Handles(comm)  # persistent allreduces of recurring tensor memory (reuse.py)
         self._group_name = ""
         self._group_desc = ""
 
@@ -64,6 +66,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 return self._sparse_allreduce(tensors, op)
         works, posts = [], []
         for t in tensors:
+            h = self.handles.get(t, op)
+            if h is not None:  # this memory's handle: its run queued as the plain call's would be
+                premul(factor, t, in_place=True)
+                works.append(h._enqueue())
+                continue
             buf, back = contig(t)
             buf = premul(factor, buf, in_place=True)
             works.append(self.comm.allreduce(buf, op=op, async_op=True))
@@ -75,7 +82,17 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         torch's wrapper then has nothing to wait on (as for a backend that syncs in C++), and a call
         builds no Work, which costs tens of microseconds with caches cold after a large call; a
         finished Work that re-raises in wait() if it failed. A dense tensor runs on its numpy view
-        (tensors.dense: one torch call); only the others are asked whether they are sparse or strided."""
+        (tensors.dense: one torch call); only the others are asked whether they are sparse or strided.
+        Tensors whose memory was allreduced before run their persistent handles (reuse.py)."""
+        handles = [self.handles.get(t, op) for t in tensors]
+        if None not in handles:
+            try:
+                for t, h in zip(tensors, handles):
+                    premul(factor, t, in_place=True)
+                    h()
+            except BaseException as e:  # wait() re-raises it, as for an async call
+                return PycollWork([], tensors, None, e)
+            return None
         views = [dense(t) for t in tensors]
         if any(v is None and t.layout is _SPARSE for t, v in zip(tensors, views)):
             return self._sparse_allreduce(tensors, op)  # torch's wrapper waits on it

@@ -54,7 +54,8 @@ class Request:
                 f"rank {rank}: message from rank {self.peer} (comm {self.key.comm_id:#x}, call "
                 f"{self.key.seq}, tag {self.key.tag}) carries {nbytes} bytes of dtype code {dtype}, "
                 f"but the receive expects {self.nbytes} bytes of dtype code {self.dtype}; "
-                "did the ranks call the collective with different sizes or dtypes?", self.peer)
+                "did the ranks call the collective with different sizes or dtypes?", self.peer,
+                codes=(dtype, self.dtype))
 
     def describe(self) -> str:
         if self.peer == ANY:

@@ -195,7 +195,7 @@ class ShmBoard(Board):
                     f"{what}: rank {self.rank}: rank {p}'s board post carries {theirs[0]} bytes with signature "
                     f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
                     "ranks call different collectives, or the same one with different sizes, counts, dtypes, "
-                    "ops or roots?", p)
+                    "ops or roots?", p, codes=(int(theirs[1]) & 0xFFFF, sig & 0xFFFF))
         if small:  # (the same byte count on every member, checked above)
             return views
         ctrls, at = self._ctrls, self._counter
