@@ -5,18 +5,21 @@ Alone (no launcher, or a launcher's job of one rank) it describes this rank, and
 nothing to send, its table models this host with one rank per core (`--hosts H --ppn L`: H hosts of
 L ranks, rank i on host i mod H), saying so above the table; under a launcher (`pycoll run -n 4
 pycoll info`) every rank joins, the tuner calibrates, and rank 0 prints the whole job with the
-measured parameters and the algorithm each size would use.
+measured parameters and the algorithm each size would use, and, under `auto`, which transport
+carries each pair of ranks (shm, verbs or tcp) with each rank's RDMA port or why it has none.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..calibration import base_params
 from ..selection import Selector
 from ..topology import RankInfo, Topology, detect
+from ..transports.capabilities import Routes
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
+from ..transports.verbs_device import local_advert
 from ..tuner import MODELED, Tuner
 from .bench import parse_size
 
@@ -32,14 +35,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def render(topo: Topology, selector: Selector, sizes: List[int], collectives: List[str], note: str = "") -> str:
-    """The matrix and the tuner table (the selector's pick marked `*`), `note` on the line above the table."""
+def render(topo: Topology, selector: Selector, sizes: List[int], collectives: List[str], note: str = "",
+           pairs: str = "") -> str:
+    """The matrix, `pairs` (pair_table's), and the tuner table (the selector's pick marked `*`),
+    `note` on the line above the table."""
     tuner = selector.tuner or Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)
     table = tuner.table(topo, sizes, collectives,
                         choose=lambda coll, s: selector.choose(coll, s, topo.size, topo=topo))
     static = "" if selector.tuner else "\n(PYCOLL_TUNER=static or PYCOLL_ALGO: `*` is the size rule's pick)"
     above = f"{note}\n" if note else ""
-    return f"{topo.matrix()}\n\n{above}{table}{static}"
+    between = f"\n\n{pairs}" if pairs else ""
+    return f"{topo.matrix()}{between}\n\n{above}{table}{static}"
+
+
+def pair_table(size: int, wire: Callable[[int, int], str], port: Callable[[int], str]) -> str:
+    """Which transport carries each pair of ranks (`auto`'s choice), a matrix like the link matrix,
+    then each rank's RDMA port as it advertised it (or why it has none)."""
+    width = 7
+    lines = ["transport per pair (auto: shm on one host; verbs between hosts whose RDMA ports share a "
+             "network; tcp otherwise)",
+             " " * 6 + "".join(f"{'R' + str(c):>{width}}" for c in range(size))]
+    for r in range(size):
+        lines.append(f"{'R' + str(r):<6}" + "".join(f"{'-' if r == c else wire(r, c):>{width}}" for c in range(size)))
+    lines.append("RDMA port of each rank:")
+    lines += [f"  R{r}: {port(r)}" for r in range(size)]
+    return "\n".join(lines)
 
 
 def alone() -> bool:
@@ -76,7 +96,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         import pycoll
         with pycoll.init() as comm:
             if comm.rank == 0:
-                print(render(comm.topology, comm.selector, sizes, collectives))
+                routes = comm.transport.offers(Routes)
+                pairs = "" if routes is None else pair_table(comm.size, routes.wire, routes.port)
+                print(render(comm.topology, comm.selector, sizes, collectives, pairs=pairs))
         return 0
     for name in ("hosts", "ppn"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -88,7 +110,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     topo, note = modelled(me, args.hosts, args.ppn)
     nic_text = ", ".join(f"{n.name} {n.address} {n.speed or '?'} Mbit/s" for n in me.nics) or "none"
     print(f"this rank: host id {me.host}\n  hostname {me.hostname}, NUMA node {me.numa}, NICs {nic_text}, "
-          f"RDMA {', '.join(me.rdma) or 'none'}\n")
+          f"RDMA {', '.join(me.rdma) or 'none'}\n  RDMA port that auto would offer ranks on other hosts: "
+          f"{local_advert().describe()}\n")
     # modelled as the default transport (auto) runs: shm, with its board and stage, between ranks on a host
     print(render(topo, Selector(tuner=Tuner(base_params(topo), SLOT_BYTES, STAGE_BYTES)), sizes, collectives, note))
     return 0

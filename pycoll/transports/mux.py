@@ -21,7 +21,7 @@ from .matching import Match, Matcher
 from .routes import TCP, VERBS, Advert, PairRoutes, none
 from .shm import ShmTransport
 from .tcp import TcpTransport
-from .verbs_device import rdma_present
+from .verbs_device import SYS_IB, rdma_present
 
 log = logging.getLogger("pycoll.auto")
 _SLICE = 1e-3  # seconds given to one sub-transport before another gets a turn
@@ -123,7 +123,7 @@ class AutoTransport(Transport):
         if config.get("PYCOLL_IB_DISABLE"):
             return none("PYCOLL_IB_DISABLE=1"), None
         if not rdma_present():
-            return none("no RDMA device (/sys/class/infiniband is empty)"), None
+            return none(f"no RDMA device: {SYS_IB} is empty"), None
         try:
             from .verbs import VerbsTransport
             verbs = VerbsTransport(self.rank, self.size, self._address, self._hosts, peers=self._remote)

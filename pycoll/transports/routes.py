@@ -43,7 +43,7 @@ class Advert:
     def describe(self) -> str:
         """'rxe0:1 RoCE v2, GID ::ffff:10.9.0.1, network 10.9.0.0/24', or the reason it has none."""
         if not self.device:
-            return f"no RDMA port ({self.why})"
+            return f"none ({self.why})"
         text = f"{self.device}:{self.port} {self.link}, GID index {self.gid_index} {self.gid}"
         if self.network:
             return text + f", network {self.network.split(' ', 1)[-1]}"

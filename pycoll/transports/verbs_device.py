@@ -21,7 +21,7 @@ import numpy as np
 from .. import config
 from ..bootstrap.netif import list_interfaces
 from ..errors import EnvError
-from .routes import Advert
+from .routes import Advert, none
 
 INSTALL_HINT = ("install it with `pip install 'pycoll[rdma]'` (builds rdma-core: needs cmake, "
                 "libnl-3-dev, libnl-route-3-dev, pkg-config, ninja and Cython<3.1) or, for the system "
@@ -75,6 +75,22 @@ def unavailable_reason() -> Optional[str]:
         return str(e)
     ctx.close()
     return None
+
+
+def local_advert() -> Advert:
+    """The RDMA port `auto` would advertise from this process (or none, saying why), without setting
+    up a transport: for `pycoll info`."""
+    if config.get("PYCOLL_IB_DISABLE"):
+        return none("PYCOLL_IB_DISABLE=1")
+    if not rdma_present():
+        return none(f"no RDMA device: {SYS_IB} is empty")
+    try:
+        pv = load_pyverbs()
+        ctx, port = open_port(pv, config.get("PYCOLL_IB_DEV") or "")
+    except EnvError as e:
+        return none(str(e))
+    ctx.close()
+    return port.advert()
 
 
 @dataclass(frozen=True)
