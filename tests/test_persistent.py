@@ -348,3 +348,34 @@ def test_torch_backend_reuses_handles():
     for hits, made, _ in run_ranks(_torch_reuse, 2, 2, free_port(), steps, init=False, timeout=110):
         assert made >= 2  # the tensor and the bucket
         assert hits >= 2 * (steps - 2)  # every call after the second sighting of each
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_bench_times_handles_and_the_bare_floor(tmp_path):
+    """`pycoll bench --np 2 --persistent --compare python-shm,torch-pycoll`: a job calling persistent
+    handles, Python's bare shared-memory loop and dist.all_reduce on pycoll beside the plain pycoll job,
+    each in processes of its own; every one's first allreduce right."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed")
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "pycoll", "bench", "allreduce", "--np", "2", "--transport", "shm", "--persistent",
+           "--compare", "python-shm,torch-pycoll", "--sizes", "8,4K", "--rounds", "1", "--round-seconds", "0.01",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=280,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    libs = ["pycoll-shm", "pycoll-shm-persistent", "python-shm", "torch-pycoll"]
+    assert [(r["size"], r["library"]) for r in rows] == [(s, lib) for s in (8, 4096) for lib in libs]
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["cpu_us"] > 0 for r in rows)
+    assert all(set(r["ratio"]) == {"pycoll-shm", "pycoll-shm-persistent"} for r in rows)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("pycoll-bench-floor-")]  # the floor's files go

@@ -289,7 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--np", type=int, default=0,
                    help="launch N ranks per library itself and compare libraries (allreduce float32 sum in place)")
     p.add_argument("--compare", default="", help="with --np: comma list of peers: mpi, mpi-tcp (Open MPI with "
-                   "btl tcp,self), gloo")
+                   "btl tcp,self), gloo, torch-pycoll (dist.all_reduce on backend pycoll), python-shm (Python's "
+                   "floor: the one-shot exchange as a bare loop over shared memory, no pycoll)")
+    p.add_argument("--persistent", action="store_true",
+                   help="with --np: also a job per transport that calls persistent handles (allreduce_init)")
     p.add_argument("--sizes", default="8,64K,1M,16M,64M", help="with --np: comma list of sizes")
     p.add_argument("--round-seconds", type=float, default=0.1,
                    help="with --np: about this long per library per size in a round (iterations calibrated)")
@@ -352,7 +355,7 @@ def compare_main(args: argparse.Namespace) -> int:
     transports = (args.transport or "auto").split(",")
     try:
         rows = bench_compare.run(args.np, sizes, transports, peers, args.rounds, args.round_seconds, args.warmup,
-                                 args.bind, args.json)
+                                 args.bind, args.json, args.persistent)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1

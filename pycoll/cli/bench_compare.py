@@ -29,7 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
-PEERS = ("mpi", "mpi-tcp", "gloo")
+PEERS = ("mpi", "mpi-tcp", "gloo", "torch-pycoll", "python-shm")  # (the last two: pycoll through torch, Python's floor)
+PERSISTENT = "-persistent"  # a pycoll job's name ending in it calls persistent handles
 
 
 @dataclass
@@ -56,9 +57,11 @@ class Job:
         return RuntimeError(f"pycoll bench: {self.name} job {what} (mpirun exit {self.proc.poll()}); its output:\n{text}")
 
 
-def job_names(transports: List[str], peers: List[str]) -> List[str]:
-    """'pycoll' (auto transport) or 'pycoll-<transport>' per transport, then the peers."""
-    return [("pycoll" if t in ("", "auto") else f"pycoll-{t}") for t in transports] + peers
+def job_names(transports: List[str], peers: List[str], persistent: bool = False) -> List[str]:
+    """'pycoll' (auto transport) or 'pycoll-<transport>' per transport (and with `persistent` the same
+    with '-persistent': allreduce_init handles), then the peers."""
+    ours = [("pycoll" if t in ("", "auto") else f"pycoll-{t}") for t in transports]
+    return ours + ([name + PERSISTENT for name in ours] if persistent else []) + peers
 
 
 def mpirun_prefix(lib: str, n: int, bind: str) -> List[str]:
@@ -87,11 +90,14 @@ def free_port() -> int:
 
 def launch(name: str, n: int, bind: str) -> Job:
     """Start one library's job; its ranks connect to a listener of its own."""
-    lib, _, transport = name.partition("-") if name.startswith("pycoll") else (name, "", "")
+    persistent = name.startswith("pycoll") and name.endswith(PERSISTENT)
+    plain = name[:-len(PERSISTENT)] if persistent else name
+    lib, _, transport = plain.partition("-") if name.startswith("pycoll") else (name, "", "")
     listener = socket.create_server(("127.0.0.1", 0), backlog=n)
     log = tempfile.TemporaryFile("w+")
     cmd = mpirun_prefix(lib, n, bind) + [sys.executable, WORKER, lib, str(listener.getsockname()[1]),
                                          "--transport", transport, "--store-port", str(free_port())]
+    cmd += ["--persistent"] if persistent else []
     # each job its own Open MPI session folder: mpiruns started together race to create the shared
     # /tmp/ompi.<host>.<uid>, and the loser ends with "mkdir ... File exists"
     session = tempfile.mkdtemp(prefix="pycoll-bench-ompi-")
@@ -249,22 +255,23 @@ def rows_of(measured: Dict[int, Dict[str, Any]], names: List[str], n: int) -> Li
 
 def format_table(rows: List[Dict[str, Any]], names: List[str]) -> str:
     ours = [name for name in names if name.startswith("pycoll")]
-    head = (f"# {'size(B)':>10} {'library':<11} {'time(us)':>10} {'min(us)':>10} {'max(us)':>10} "
+    w = max([11] + [len(name) for name in names])
+    head = (f"# {'size(B)':>10} {'library':<{w}} {'time(us)':>10} {'min(us)':>10} {'max(us)':>10} "
             f"{'cpu/call(us)':>12} {'busbw(GB/s)':>11} " + " ".join(f"{'x' + p:>12}" for p in ours)
             + f" {'wrong':>5} {'offset':>6}  algorithm")
     lines = [head]
     for row in rows:
-        ratios = " ".join(f"{row['ratio'][p]:>11.2f}x" for p in ours)
-        lines.append(f"  {row['size']:>10} {row['library']:<11} {row['time_us']:>10.1f} {row['min_us']:>10.1f} "
+        ratios = " ".join(f"{row['ratio'][p]:>{max(11, len(p))}.2f}x" for p in ours)
+        lines.append(f"  {row['size']:>10} {row['library']:<{w}} {row['time_us']:>10.1f} {row['min_us']:>10.1f} "
                      f"{row['max_us']:>10.1f} {row['cpu_us']:>12.1f} {row['busbw']:>11.3f} {ratios} "
                      f"{row['wrong']:>5} {row['offset']:>6}  {row['algo'] or '-'}")
     return "\n".join(lines)
 
 
 def run(n: int, sizes: List[int], transports: List[str], peers: List[str], rounds: int, round_seconds: float,
-        warmup: int, bind: str, json_path: Optional[str] = None) -> List[Dict[str, Any]]:
+        warmup: int, bind: str, json_path: Optional[str] = None, persistent: bool = False) -> List[Dict[str, Any]]:
     """Launch every job, measure, print the table (and write rows to json_path); always end the jobs."""
-    names = job_names(transports, peers)
+    names = job_names(transports, peers, persistent)
     load = [os.getloadavg()]
     jobs: List[Job] = []
     # SIGTERM / SIGHUP end the driver through the finally below: it continues the jobs stopped for a
