@@ -26,7 +26,7 @@ class Channel:
     """One collective call on one communicator: rank numbering, message keys, deadline."""
 
     __slots__ = ("transport", "group", "rank", "size", "comm_id", "seq", "timeout", "_what", "board", "windows",
-                 "_after", "_call", "_comm", "mark")
+                 "_after", "_call", "_comm", "mark", "prepared")
 
     def __init__(self, transport: Transport, group: Sequence[int], rank: int, comm_id: int,
                  seq: int, timeout: float, what: object, board: Optional[Board] = None,
@@ -38,6 +38,10 @@ class Channel:
         # bits 8-15 of the dtype code of every message and board post of the call: a persistent handle's
         # mark (persistent.py), 0 for a plain call; a receiver whose own differs fails with ProtocolError
         self.mark = mark
+        # a persistent handle's channel runs the same call again and again: its board posts prepared
+        # once (board_exchange), by array id: (array, sig, stage, hole, prepared exchange or None, seen
+        # once); None for a plain call's
+        self.prepared: Optional[Dict[int, tuple]] = None
         self.board = board  # the communicator's shared-memory board, where it has one
         self.windows = windows  # the communicator's registered buffers, where it can have them
         self._after: Optional[Dict[int, Callable[[], None]]] = None  # work to run once a request completes
@@ -116,12 +120,42 @@ class Channel:
         root): a rank whose peers posted another size, dtype or signature raises ProtocolError. The
         arrays view shared memory: read them before this communicator's next call but one. Elements
         [hole[0], hole[1]) of `arr` are not posted: this rank writes them into its own view itself."""
+        prepared = self.prepared
+        if prepared is not None:  # a persistent handle's: its arrays' exchanges prepared
+            e = prepared.get(id(arr))
+            if e is not None and e[4] is not None and e[0] is arr and e[1] == sig and e[2] == stage and e[3] == hole:
+                return e[4](self.timeout, self if self._what is None else self._what)
         board = self.board
         if board is None or arr.nbytes > (board.stage_bytes if stage else board.slot_bytes):
             return None
+        if prepared is not None:
+            return self._prepared_exchange(board, arr, sig, stage, hole)
         return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1),  # flat(arr) and dtype_code() inlined
                               sig << 16 | (DTYPE_CODES.get(arr.dtype) or dtype_code(arr.dtype)) | self.mark,
                               self.group, self.timeout, self.what, stage, hole)
+
+    def _prepared_exchange(self, board: Board, arr: np.ndarray, sig: int, stage: bool, hole: Tuple[int, int]
+                           ) -> List[np.ndarray]:
+        """board_exchange on a persistent handle's channel: an array posted the second time with the
+        same signature gets its exchange prepared (Board.prepare) and reused from then on (an array
+        posted once, as a barrier's, is not worth preparing). The memo holds each array it keys, so
+        no other array can take its id."""
+        memo = self.prepared
+        e = memo.get(id(arr))  # type: ignore[union-attr]
+        if e is not None and e[0] is arr and e[1] == sig and e[2] == stage and e[3] == hole:
+            if e[5]:  # seen once: prepare it now (None where the board cannot: exchange() each time)
+                go = board.prepare(arr if arr.ndim == 1 else arr.reshape(-1),
+                                   sig << 16 | dtype_code(arr.dtype) | self.mark, self.group, stage, hole)
+                memo[id(arr)] = (arr, sig, stage, hole, go, False)  # type: ignore[index]
+                if go is not None:
+                    return go(self.timeout, self.what)
+        else:
+            if len(memo) >= 8:  # type: ignore[arg-type]
+                memo.clear()  # type: ignore[union-attr]
+            memo[id(arr)] = (arr, sig, stage, hole, None, True)  # type: ignore[index]
+        return board.exchange(arr if arr.ndim == 1 else arr.reshape(-1),
+                              sig << 16 | dtype_code(arr.dtype) | self.mark, self.group, self.timeout, self.what,
+                              stage, hole)
 
     def symmetric(self, arrays: Sequence[np.ndarray], sig: int) -> Optional[List[List[np.ndarray]]]:
         """Every rank's copy of each of `arrays`, read in place in its registered buffer: [array][rank].

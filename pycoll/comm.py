@@ -338,15 +338,17 @@ class Communicator:
         op = reduction(op, src.dtype)
         dst = src if out is None else self._output(out, "allreduce", src.dtype, src.size)
         fn = self._algorithm("allreduce", src.nbytes, algo)
+        fd, fs = flat(dst), flat(src)  # (made here: a persistent handle's runs then post the same arrays)
+        in_place, takes_src = dst is src, getattr(fn, "accepts_src", False)
 
         def body(ch: Channel) -> Any:
-            if dst is src:
-                fn(ch, flat(dst), op)
-            elif getattr(fn, "accepts_src", False):
-                fn(ch, flat(dst), op, src=flat(src))
+            if in_place:
+                fn(ch, fd, op)
+            elif takes_src:
+                fn(ch, fd, op, src=fs)
             else:
-                np.copyto(flat(dst), flat(src))
-                fn(ch, flat(dst), op)
+                np.copyto(fd, fs)
+                fn(ch, fd, op)
             if op is AVG:
                 finish_avg(dst, ch.size)
             return x if out is None else out
@@ -360,11 +362,12 @@ class Communicator:
         op = reduction(op, src.dtype)
         dst = src if out is None or self.rank != root else self._output(out, "reduce", src.dtype, src.size)
         fn = self._algorithm("reduce", src.nbytes, algo)
+        fd, fs, copy = flat(dst), flat(src), dst is not src
 
         def body(ch: Channel) -> Any:
-            if dst is not src:
-                np.copyto(flat(dst), flat(src))
-            fn(ch, flat(dst), op, root)
+            if copy:
+                np.copyto(fd, fs)
+            fn(ch, fd, op, root)
             if op is AVG and ch.rank == root:
                 finish_avg(dst, ch.size)
             return out if out is not None and ch.rank == root else x
@@ -395,9 +398,10 @@ class Communicator:
             result = out
         dst = self._output(result, "reduce_scatter", src.dtype, mine)
         fn = self._algorithm("reduce_scatter", src.nbytes, algo)
+        fs, fd = flat(src), flat(dst)
 
         def body(ch: Channel) -> Any:
-            fn(ch, flat(src), flat(dst), op, counts_l)
+            fn(ch, fs, fd, op, counts_l)
             if op is AVG:
                 finish_avg(dst, ch.size)
             return result
@@ -410,9 +414,10 @@ class Communicator:
         root = self._peer(root, "root", "broadcast")
         buf = self._input(x, "broadcast", self.rank != root)
         fn = self._algorithm("broadcast", buf.nbytes, algo)
+        fb = flat(buf)
 
         def body(ch: Channel) -> Any:
-            fn(ch, flat(buf), root)
+            fn(ch, fb, root)
             return x
         return self._run("broadcast", body, async_op, timeout, (buf.dtype, buf.size, None, root))
 
@@ -461,9 +466,10 @@ class Communicator:
     def _gather_all(self, call: str, src: np.ndarray, dst: np.ndarray, counts: Optional[List[int]],
                     result: Any, async_op: bool, timeout: Optional[float], algo: Optional[str]) -> Any:
         fn = self._algorithm("allgather", dst.nbytes, algo)
+        fs, fd = flat(src), flat(dst)
 
         def body(ch: Channel) -> Any:
-            fn(ch, flat(src), flat(dst), counts)
+            fn(ch, fs, fd, counts)
             return result
         return self._run(call, body, async_op, timeout,
                          (src.dtype, src.size if counts is None else counts, None, None))
@@ -478,9 +484,10 @@ class Communicator:
         result = np.empty_like(src) if out is None else out
         dst = self._output(result, "alltoall", src.dtype, src.size)
         fn = self._algorithm("alltoall", src.nbytes, algo)
+        fs, fd = flat(src), flat(dst)
 
         def body(ch: Channel) -> Any:
-            fn(ch, flat(src), flat(dst))
+            fn(ch, fs, fd)
             return result
         return self._run("alltoall", body, async_op, timeout, (src.dtype, src.size, None, None))
 

@@ -205,7 +205,7 @@ class Recorder:
         # only objects the collector need not track (the algorithm and the call site's code by number,
         # the op by its name): the tuple is then untracked at the next young collection, never promoted
         op = fingerprint[2]
-        if op is not None:
+        if op is not None and op.__class__ is not str:  # (a persistent handle passes the name: made once)
             fingerprint = (fingerprint[0], fingerprint[1], _OP_NAMES[op], *fingerprint[3:])
         aid = _ALGO_IDS.get(algo)
         code = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mmap
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Dict, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -70,6 +70,12 @@ class Board(ABC):
         call, and return the members' arrays in `order`; ProtocolError if a member posted another
         byte count or signature. The elements [hole[0], hole[1]) of `data` are not copied: the slot
         holds there whatever its owner writes into it (through the view this call returns)."""
+
+    def prepare(self, data: np.ndarray, sig: int, order: Sequence[int], stage: bool = False,
+                hole: Tuple[int, int] = (0, 0)) -> Optional[Callable[[float, object], List[np.ndarray]]]:
+        """exchange() made ready for calls again and again on this same `data` (a persistent handle's):
+        `go(timeout, what)` runs it; None where the board cannot (then exchange() each time)."""
+        return None
 
 
 class SharedBoard(Capability, ABC):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -172,36 +172,84 @@ class ShmBoard(Board):
         self._wake()  # the other members that sleep on their doorbells
         for w in self._watch:  # counters before slots: load order (x86-TSO)
             if w[1][w[2]] < b:
-                late = [w for w in self._watch if w[1][w[2]] < b]  # (a list only where a post is late)
+                self._await(b, timeout, what)
                 break
-        else:
-            late = None
-        if late:
-            spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
-            while late and spins and time.monotonic() < spin_until:  # most posts come within a few time slices
-                os.sched_yield()
-                spins -= 1
-                while late and late[-1][1][late[-1][2]] >= b:
-                    late.pop()
-        if late:  # then the transport's wait: it sleeps on the doorbell, watches deaths and the deadline
-            key = MsgKey(self.comm_id, b, POST_TAG)
-            self._wait([_Posted(p, key, ctrl, self._lanes[p], b) for p, ctrl, _ in late], timeout, what)
         # every counter was seen at b before these loads (ARM/POWER: acquire loads)
         for p, ctrl, i in self._watch:
             i += words
             if ctrl[i + _NBYTES] != nbytes or ctrl[i + _SIG] != sig:
-                theirs = ctrl[i + _NBYTES], ctrl[i + _SIG]
-                raise ProtocolError(
-                    f"{what}: rank {self.rank}: rank {p}'s board post carries {theirs[0]} bytes with signature "
-                    f"{theirs[1]:#x}, but this rank posted {data.nbytes} bytes with signature {sig:#x}; did the "
-                    "ranks call different collectives, or the same one with different sizes, counts, dtypes, "
-                    "ops or roots?", p, codes=(int(theirs[1]) & 0xFFFF, sig & 0xFFFF))
+                self._mismatch(p, ctrl[i + _NBYTES], ctrl[i + _SIG], nbytes, sig, what)
         if small:  # (the same byte count on every member, checked above)
             return views
         ctrls, at = self._ctrls, self._counter
         offsets = tuple([ctrls[m][at[m] + where] for m in order])
         layout = (k, stage, data.dtype, data.size, self._order_key, offsets)
         return self._typed.get(layout) or self._views(layout, self._bytes[k, stage], order, offsets)
+
+    def prepare(self, data: np.ndarray, sig: int, order: Sequence[int], stage: bool = False,
+                hole: Tuple[int, int] = (0, 0)) -> Optional[Callable[[float, object], List[np.ndarray]]]:
+        """exchange(data, sig, order, timeout, what, stage, hole) made ready to be called again and
+        again on this same `data` (a persistent handle's): `go(timeout, what)` does what exchange does,
+        with each slot's views, this rank's slot and the words it writes worked out here, once. None
+        where posts do not start at a slot's offset 0 (PAGE_FROM bytes and more: exchange() then)."""
+        nbytes = data.nbytes
+        if nbytes >= PAGE_FROM or nbytes > (self.stage_bytes if stage else self.slot_bytes):
+            return None
+        order_key = tuple(order)
+        me = order_key.index(self.rank)
+        ready = []  # per slot k: (the members' views, this rank's, its count/signature and offset words)
+        for k in range(DEPTH):
+            layout = (k, stage, data.dtype, data.size, order_key, None)
+            views = self._typed.get(layout) or self._views(layout, self._bytes[k, stage], order, None)
+            ready.append((views, views[me], 2 * k - _POSTED, _AT + k - _POSTED))
+        h0, h1 = hole
+        mine, i = self._mine
+        watch, wake = self._watch, self._wake
+
+        def go(timeout: float, what: object) -> List[np.ndarray]:
+            self.calls = b = self.calls + 1
+            views, own, words, where = ready[b % DEPTH]
+            if h1 > h0:
+                own[:h0] = data[:h0]
+                own[h1:] = data[h1:]
+            else:
+                own[...] = data
+            mine[i + _NBYTES + words], mine[i + _SIG + words], mine[i + where] = nbytes, sig, 0
+            mine[i] = b  # (after the slot and its words, as exchange() publishes)
+            wake()
+            for w in watch:
+                if w[1][w[2]] < b:
+                    self._await(b, timeout, what)
+                    break
+            for p, ctrl, j in watch:
+                j += words
+                if ctrl[j + _NBYTES] != nbytes or ctrl[j + _SIG] != sig:
+                    self._mismatch(p, ctrl[j + _NBYTES], ctrl[j + _SIG], nbytes, sig, what)
+            return views
+        return go
+
+    def _await(self, b: int, timeout: float, what: object) -> None:
+        """Wait until every member has posted board call `b`: a yield-spin (most posts come within a
+        few time slices), then the transport's wait, which sleeps on the doorbell and watches deaths,
+        revocations and the deadline."""
+        late = [w for w in self._watch if w[1][w[2]] < b]
+        spin_until, spins = time.monotonic() + SPIN, SPIN_YIELDS
+        while late and spins and time.monotonic() < spin_until:
+            os.sched_yield()
+            spins -= 1
+            while late and late[-1][1][late[-1][2]] >= b:
+                late.pop()
+        if late:
+            key = MsgKey(self.comm_id, b, POST_TAG)
+            self._wait([_Posted(p, key, ctrl, self._lanes[p], b) for p, ctrl, _ in late], timeout, what)
+
+    def _mismatch(self, peer: int, their_nbytes: int, their_sig: int, nbytes: int, sig: int, what: object) -> None:
+        """Raise the ProtocolError of a member that posted another byte count or signature."""
+        raise ProtocolError(
+            f"{what}: rank {self.rank}: rank {peer}'s board post carries {their_nbytes} bytes with signature "
+            f"{their_sig:#x}, but this rank posted {nbytes} bytes with signature {sig:#x}; did the "
+            "ranks call different collectives, or the same one with different sizes, counts, dtypes, "
+            "ops or roots?", peer, codes=(int(their_sig) & 0xFFFF, sig & 0xFFFF))
 
     def _views(self, layout: Tuple[Any, ...], slots: Dict[int, np.ndarray], order: Sequence[int],
                offsets: Any) -> List[np.ndarray]:
