@@ -259,6 +259,10 @@ def main() -> None:
     trace_frag = os.path.join(data, "section-trace.md")  # `pycoll predict --trace`: written by hand, kept
     if os.path.exists(trace_frag):
         parts.append(open(trace_frag).read())
+    # its validation on emulated clusters: written by docs/make_predict_trace.py, kept
+    trace_check = os.path.join(data, "section-trace-validation.md")
+    if os.path.exists(trace_check):
+        parts.append(open(trace_check).read())
     extra = "\n".join(parts)
     text = f"""# pycoll predict, checked against measured runs
 
