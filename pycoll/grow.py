@@ -55,12 +55,20 @@ from .bootstrap.rendezvous import make_store
 from .bootstrap.store import PrefixStore, Store
 from .errors import EnvError, GrowError, JobEnded, PycollError, TimeoutError
 from .logutil import quiet_unless_asked
+from .trace import recorder
 from .transports.base import Transport
 
 if TYPE_CHECKING:  # comm.py imports this module
     from .comm import Communicator
 
 log = quiet_unless_asked(logging.getLogger("pycoll.grow"))
+# on stderr: each grow's phases, timed, under PYCOLL_DEBUG=INFO (the logger's filter), and warnings where the
+# application has set up no logging (as logging's last resort would print them, which a handler here disables)
+_stderr = logging.StreamHandler()
+_stderr.setFormatter(logging.Formatter("pycoll %(levelname)s %(message)s"))
+_stderr.addFilter(lambda record: record.levelno < logging.WARNING or not logging.getLogger().handlers)
+log.addHandler(_stderr)
+log.setLevel(logging.INFO)
 
 PREFIX = "pycoll/elastic"  # the job's keys for arrivals, in the store every rank reaches
 CLOSED_KEY = f"{PREFIX}/closed"  # set when the job ends: waiting newcomers give up (JobEnded)
@@ -213,7 +221,9 @@ def grow(comm: "Communicator", timeout: Optional[float] = None, arrivals: Option
         return comm
     who = ", ".join(f"slot {info.get('slot')} (ticket {t}, pid {info.get('pid')} on {info.get('host')})"
                     for _, t, info in chosen)
-    log.info("rank %d: growing %s from %d to %d ranks: admitting %s", comm.rank, comm.name, comm.size, size, who)
+    log.info("rank %d: growing %s from %d to %d ranks at t=%.3f: admitting %s", comm.rank, comm.name, comm.size,
+             size, began, who)
+    planned = time.monotonic()
     new: Optional["Communicator"] = None
     error = ""
     try:
@@ -248,8 +258,8 @@ def grow(comm: "Communicator", timeout: Optional[float] = None, arrivals: Option
     _growths[new] = Growth(comm.size, size, arrivals, began)
     ft.replace_default(comm, new)
     _release(comm)
-    log.info("rank %d: %s grew to %d ranks as %s in %.3f s (connected after %.3f s)", comm.rank, comm.name, size,
-             new.name, time.monotonic() - began, connected - began)
+    log.info("rank %d: %s grew to %d ranks as %s in %.3f s (planned after %.3f s, connected after %.3f s)", comm.rank,
+             comm.name, size, new.name, time.monotonic() - began, planned - began, connected - began)
     return new
 
 
@@ -339,16 +349,21 @@ def _join(store: Store, job: JobEnv, timeout: float, restart: int) -> "Communica
     store.set(f"{PREFIX}/newcomer/{ticket}", json.dumps(me).encode())
     log.info("slot %d: announced as newcomer ticket %d; waiting to be admitted", job.rank, ticket)
     plan = _admission(store, ticket, job.rank, began + timeout)
+    admitted = time.monotonic()
     if "refused" in plan:
         raise GrowError(f"slot {job.rank}: the members refused newcomer ticket {ticket}: {plan['refused']}")
     space = f"{PREFIX}/grow{plan['grow']}"
     joined = replace(job, rank=int(plan["rank"]), size=int(plan["size"]), local_rank=None, local_size=None)
+    with recorder.PROCESS.lock:  # its flight-recorder files are named by its launcher slot, as before it
+        if recorder.PROCESS.rank is None:  # died (its rank in the grown job is another rank's slot)
+            recorder.PROCESS.rank = job.rank
     try:
         comm = _connect(joined, PrefixStore(space, store), str(plan["transport"]), float(plan["timeout"]),
                         str(plan["name"]), store)
     except Exception as e:
         raise GrowError(f"slot {job.rank}: could not join the job as rank {plan['rank']} of {plan['size']}: "
                         f"{type(e).__name__}: {e}") from e
+    connected = time.monotonic()
     comm.timeout = timeout
     try:
         outcome = store.get(f"{space}/outcome", float(plan["timeout"]) + timeout)
@@ -361,7 +376,9 @@ def _join(store: Store, job: JobEnv, timeout: float, restart: int) -> "Communica
     origin = _origins[comm.transport]
     origin.settled = int(plan["grow"])
     _growths[comm] = Growth(int(plan["members"]), int(plan["size"]), int(plan["grow"]), began)
-    log.info("slot %d: joined as rank %d of %d (%s)", job.rank, comm.rank, comm.size, comm.name)
+    log.info("slot %d: joined as rank %d of %d (%s) at t=%.3f: admitted %.3f s after announcing itself at t=%.3f, "
+             "connected after %.3f s", job.rank, comm.rank, comm.size, comm.name, time.monotonic(), admitted - began,
+             began, connected - began)
     return comm
 
 
@@ -375,8 +392,9 @@ def _admission(store: Store, ticket: int, slot: int, deadline: float) -> Dict:
         except TimeoutError:
             if store.check([CLOSED_KEY]):
                 reason = store.get(CLOSED_KEY, 1.0).decode(errors="replace")
-                raise JobEnded(f"slot {slot}: the job ended before admitting newcomer ticket {ticket} ({reason})") \
-                    from None
+                ended = JobEnded(f"slot {slot}: the job ended before admitting newcomer ticket {ticket} ({reason})")
+                log.warning("%s; nothing left to join, exiting", ended)
+                raise ended from None
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"slot {slot}: no member admitted newcomer ticket {ticket} within the timeout: "
                                    "do the members call comm.grow() at their step boundaries?") from None

@@ -12,8 +12,11 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
+import numpy as np
+
 import pycoll
 
+from .data import load_digits
 from .loop import ConfigError, train
 from .optim import OPTIMIZERS
 from .report import Console, summary_lines
@@ -97,9 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the trainer on the ranks pycoll.init() finds; rank 0 prints and draws."""
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
+    data = load_digits(np.dtype(cfg.dtype))  # before init: a newcomer (--elastic) is ready when it joins
     with pycoll.init() as comm:
         try:
-            result = train(comm, cfg, Console(comm.rank == 0))
+            result = train(comm, cfg, Console(comm.rank == 0), data)
         except ConfigError as e:
             print(f"pycoll.trainer: {e}", file=sys.stderr)
             return 2

@@ -42,17 +42,20 @@ def check_config(cfg: TrainConfig, ranks: int) -> None:
         raise ConfigError(f"--straggler rank {cfg.straggler[0]} is not in 0..{ranks - 1}")
 
 
-def train(comm: Communicator, cfg: TrainConfig, console: Optional[Console] = None) -> TrainResult:
-    """Train the MLP on digits across `comm`; every rank must call it with the same config."""
-    check_config(cfg, comm.size)
+def train(comm: Communicator, cfg: TrainConfig, console: Optional[Console] = None,
+          data: Optional[Digits] = None) -> TrainResult:
+    """Train the MLP on digits across `comm`; every rank must call it with the same config. `data`:
+    load_digits() done already (an elastic newcomer loads it before it joins, so the members do not
+    wait for that while they heal it)."""
+    if not (cfg.elastic and is_newcomer(comm)):  # (a newcomer joins whatever size the run has come to)
+        check_config(cfg, comm.size)
     from threadpoolctl import threadpool_limits  # installed with scikit-learn
     with threadpool_limits(cfg.blas_threads, user_api="blas"):
-        return _train(comm, cfg, console or Console(False))
+        return _train(comm, cfg, console or Console(False), data or load_digits(np.dtype(cfg.dtype)))
 
 
-def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResult:
+def _train(comm: Communicator, cfg: TrainConfig, console: Console, data: Digits) -> TrainResult:
     """train(), inside the BLAS thread limit."""
-    data = load_digits(np.dtype(cfg.dtype))
     per_epoch = steps_per_epoch(len(data.y_train), cfg.batch_size)
     if per_epoch == 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(data.y_train)} training samples")
@@ -111,15 +114,18 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console) -> TrainResul
                 print(f"pycoll.trainer: [t={time.monotonic():.3f}] first step on {comm.size} ranks done "
                       f"(step {pos.step})", flush=True)
             first_since_grow = False
-            if elastic is not None and elastic.newcomers_waiting:  # agreed in this step: all grow here
-                first_since_grow = elastic.grow(pos.tried, lambda c: _heal(c, pos, replica, clock))
-                comm = elastic.comm
             if cfg.log_every and pos.step % cfg.log_every == 0:
                 lo, hi = pos.step - cfg.log_every, pos.step
                 window = _sync(elastic, comm, lambda c: _window(c, losses[lo:hi], correct[lo:hi], seen[lo:hi],
                                                               rows[lo:hi]), pos.tried)
+                comm = elastic.comm if elastic is not None else comm
                 console.line(step_line(pos.epoch, cfg.epochs, pos.step, total, window))
             console.progress(pos.step, total)
+            # newcomers the members agreed on in this step grow in at its very end: a newcomer's first
+            # call is then the next step's, as the members' is
+            if elastic is not None and elastic.newcomers_waiting:
+                first_since_grow = elastic.grow(pos.tried, lambda c: _heal(c, pos, replica, clock))
+                comm = elastic.comm
         lo, hi = pos.first, pos.step
         window = _sync(elastic, comm, lambda c: _window(c, losses[lo:hi], correct[lo:hi], seen[lo:hi],
                                                       rows[lo:hi]), pos.tried)
