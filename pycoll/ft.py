@@ -41,6 +41,9 @@ What each piece rests on:
   agreement's number) needs no fallible collective to be built: every survivor makes the same one
   from the decision alone, restored on the transport. The old one is revoked and released (its
   workers stopped, its stale messages dropped), the transport passes to the new one.
+* agree_max(flag, value) is agree() carrying one number per member as well, returning the largest:
+  the elastic trainer's per-step agreement carries the newcomers each member has seen arrive, so all
+  decide in the same step to grow (pycoll/grow.py: comm.grow(), the way back after a shrink).
 * Partitions. Across hosts a silent peer may be alive on the other side of a cut link. Only a
   strict majority of the communicator's ranks (or exactly half, holding its lowest rank) shrinks
   and goes on; the others raise PartitionError. Within one host there are no partitions, so a
