@@ -10,6 +10,7 @@ import numpy as np
 
 from .errors import ProtocolError
 from .ops import DTYPE_CODES, ReduceOp, combine, dtype_code
+from .scratch import Lent, Shape
 from .transports.base import MsgKey, Request, Transport
 from .transports.capabilities import Board, PeerMemory, SinkReceive
 
@@ -102,6 +103,12 @@ class Channel:
             self._after = {}
         self._after[id(req)] = lambda: combine(op, scratch, other, out)
         return req
+
+    def scratch(self, shape: Shape, dtype: object) -> Lent:
+        """`with ch.scratch(shape, dtype) as tmp:` an uninitialised array for the algorithm's own use
+        within the block, from the transport's pool of scratch buffers (pycoll/scratch.py): kept for
+        later calls when the block ends, never shared with another call while lent. Never a result."""
+        return Lent(getattr(self.transport, "scratch", None), shape, dtype)
 
     def wait(self, *reqs: Request) -> None:
         """Wait for the requests within this call's deadline (and finish deferred reductions)."""

@@ -228,6 +228,9 @@ _VARS = [
     # -- algorithms --------------------------------------------------------------------------
     Var("PYCOLL_RING_SEGMENT", size(1), "4M",
         "largest message of the ring algorithms' pipeline and of halving-doubling's exchanges"),
+    Var("PYCOLL_SCRATCH_POOL", size(0), "64M",
+        "free scratch buffers (algorithms' receive and staging buffers) each transport keeps for later calls; "
+        "`0`: a fresh buffer per call (pycoll/scratch.py)"),
     # -- set by launchers --------------------------------------------------------------------
     Var("PYCOLL_JOB_TOKEN", HEX, None,
         "hex secret shared by all ranks (set by `pycoll run`; on several nodes export the same on each); "

@@ -160,6 +160,9 @@ class HazardChannel:
         self.pending[(id(req), "operand")] = (req, False, _span(other))
         return req
 
+    def scratch(self, shape, dtype):
+        return self.ch.scratch(shape, dtype)
+
     def wait(self, *reqs):
         self.ch.wait(*reqs)
         for req in reqs:

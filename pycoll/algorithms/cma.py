@@ -25,7 +25,6 @@ peer's buffer.
 """
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -41,16 +40,7 @@ from .ring import chunk_bounds, displacements
 BLOCK_BYTES = 1 << 20  # a scratch block and the block it is reduced into stay in L2; fewer system calls than 256 KiB
 _ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER, _BROADCAST = range(4)  # in the posts' signatures, beside the count
 _NOTHING = np.empty(0, np.uint8)
-_scratch = threading.local()  # each thread's scratch block (a worker thread may run another call)
 _HELD: List[np.ndarray] = []  # the arrays of calls that failed once their addresses were posted (_exposed)
-
-
-def _block(nbytes: int) -> np.ndarray:
-    """This thread's scratch block of at least `nbytes` bytes."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _scratch.buf = np.empty(max(nbytes, BLOCK_BYTES), np.uint8)
-    return buf
 
 
 def _signature(kind: int, collective: int, count: int, op: Optional[ReduceOp] = None, root: int = -1) -> int:
@@ -129,14 +119,14 @@ def _allreduce(ch: Channel, flat: np.ndarray, source: np.ndarray, op: ReduceOp, 
     sources, dests = [w[0] for w in where], [w[1] for w in where]
     lo, hi = chunk_bounds(flat.size, ch.size)[me]
     step = max(1, BLOCK_BYTES // isz)
-    scratch = _block(step * isz).view(flat.dtype)
-    for a in range(lo, hi, step):
-        b = min(hi, a + step)
-        acc = flat[a:b]
-        _reduce_block(ch, fn, source[a:b], acc, sources, a * isz, scratch[:b - a])
-        for p in range(ch.size):
-            if p != me:
-                ch.peer_write(p, dests[p] + a * isz, acc)
+    with ch.scratch(min(step, hi - lo), flat.dtype) as scratch:
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            acc = flat[a:b]
+            _reduce_block(ch, fn, source[a:b], acc, sources, a * isz, scratch[:b - a])
+            for p in range(ch.size):
+                if p != me:
+                    ch.peer_write(p, dests[p] + a * isz, acc)
     _done(ch, _signature(CMA_DONE, _ALLREDUCE, flat.size, op))
 
 
@@ -156,10 +146,11 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
             sources = [w[0] for w in where]
             lo = displacements(counts)[me]
             step = max(1, BLOCK_BYTES // isz)
-            scratch = _block(step * isz).view(send.dtype)
-            for a in range(0, counts[me], step):
-                b = min(counts[me], a + step)
-                _reduce_block(ch, fn, send[lo + a:lo + b], recv[a:b], sources, (lo + a) * isz, scratch[:b - a])
+            with ch.scratch(min(step, counts[me]), send.dtype) as scratch:
+                for a in range(0, counts[me], step):
+                    b = min(counts[me], a + step)
+                    _reduce_block(ch, fn, send[lo + a:lo + b], recv[a:b], sources, (lo + a) * isz,
+                                  scratch[:b - a])
             _done(ch, _signature(CMA_DONE, _REDUCE_SCATTER, shape, op))
     if where is None:
         halving_doubling.reduce_scatter(ch, send, recv, op, counts)

@@ -69,13 +69,13 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
     me, _ = fold_in(ch, fold, buf, op)
     if me is not None:
         edges = chunk_edges(buf.size, fold.p2)
-        incoming = np.empty(edges[fold.p2 // 2], buf.dtype)  # the first half is the largest kept part
         steps = list(halving_steps(me, fold.p2, edges))
         data = buf if src is None else src  # what the first step sends and reduces with
-        for tag, (peer, keep, give) in enumerate(steps, FIRST_STEP_TAG):
-            _segmented_exchange(ch, tag, fold.real(peer), data[give], buf[keep], op,
-                                incoming[:keep.stop - keep.start], data[keep])
-            data = buf
+        with ch.scratch(edges[fold.p2 // 2], buf.dtype) as incoming:  # the first half is the largest kept part
+            for tag, (peer, keep, give) in enumerate(steps, FIRST_STEP_TAG):
+                _segmented_exchange(ch, tag, fold.real(peer), data[give], buf[keep], op,
+                                    incoming[:keep.stop - keep.start], data[keep])
+                data = buf
         for tag, (peer, mine, theirs) in enumerate(doubling_steps(me, fold.p2, edges),
                                                    FIRST_STEP_TAG + len(steps)):
             _segmented_exchange(ch, tag, fold.real(peer), buf[mine], buf[theirs], None)
@@ -101,15 +101,20 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
     if full[n] == 0:
         return
     fold = Fold.of(n)
-    me, data = fold_in(ch, fold, send, op, in_place=False)
-    result = recv
-    if me is not None:
-        edges = [full[fold.first(i)] for i in range(fold.p2 + 1)]
-        absorbed = me < fold.rem  # then this survivor reduces blocks r-1 and r
-        out = np.empty(edges[me + 1] - edges[me], send.dtype) if absorbed else recv
-        steps = list(halving_steps(me, fold.p2, edges))
-        widest = steps[0][1].stop - steps[0][1].start  # kept ranges only shrink
-        partial = np.empty((min(len(steps) - 1, 2), widest), send.dtype)
+    me = fold.newrank(r)
+    if me is None:  # hands its data to rank r+1, gets its block back at the end
+        fold_in(ch, fold, send, op)
+        fold_out(ch, fold, recv, recv)
+        return
+    absorbs = me < fold.rem  # this survivor took in rank r-1's data and reduces blocks r-1 and r
+    edges = [full[fold.first(i)] for i in range(fold.p2 + 1)]
+    steps = list(halving_steps(me, fold.p2, edges))
+    widest = steps[0][1].stop - steps[0][1].start  # kept ranges only shrink
+    with ch.scratch(send.size if absorbs else 0, send.dtype) as folded, \
+            ch.scratch(edges[me + 1] - edges[me] if absorbs else 0, send.dtype) as both, \
+            ch.scratch((min(len(steps) - 1, 2), widest), send.dtype) as partial:
+        _, data = fold_in(ch, fold, send, op, folded if absorbs else None)
+        out = both if absorbs else recv
         cur, base = data, 0  # cur[i - base] holds the partial reduction of element i
         for i, (peer, keep, give) in enumerate(steps):
             peer = fold.real(peer)
@@ -118,7 +123,8 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
                      peer, [acc])
             reduce_into(op, acc, cur[keep.start - base:keep.stop - base])
             cur, base = acc, keep.start
-        if absorbed:
+        result = recv
+        if absorbs:
             result = out[:counts[r - 1]]
             np.copyto(recv, out[counts[r - 1]:])
-    fold_out(ch, fold, result, recv)
+        fold_out(ch, fold, result, recv)

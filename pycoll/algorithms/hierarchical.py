@@ -22,6 +22,7 @@ computes the same layout from the same Topology, so they all agree on the plan.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -81,10 +82,10 @@ def ring_reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: Red
         return
     counts_l = [recv.size] * ch.size if counts is None else list(counts)
     ring_counts = [counts_l[o] for o in order]
-    staged = np.empty(send.size, send.dtype)
-    move_blocks(send, displacements(counts_l), staged, displacements(ring_counts),
-                [(o, i) for i, o in enumerate(order)])
-    ring.reduce_scatter(pch, staged, recv, op, ring_counts)
+    with ch.scratch(send.size, send.dtype) as staged:
+        move_blocks(send, displacements(counts_l), staged, displacements(ring_counts),
+                    [(o, i) for i, o in enumerate(order)])
+        ring.reduce_scatter(pch, staged, recv, op, ring_counts)
 
 
 def ring_allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[Sequence[int]] = None,
@@ -96,9 +97,9 @@ def ring_allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Opti
         return
     counts_l = [send.size] * ch.size if counts is None else list(counts)
     ring_counts = [counts_l[o] for o in order]
-    staged = np.empty_like(recv)
-    ring.allgather(pch, send, staged, ring_counts)
-    move_blocks(staged, displacements(ring_counts), recv, displacements(counts_l), list(enumerate(order)))
+    with ch.scratch(recv.size, recv.dtype) as staged:
+        ring.allgather(pch, send, staged, ring_counts)
+        move_blocks(staged, displacements(ring_counts), recv, displacements(counts_l), list(enumerate(order)))
 
 
 def ring_broadcast(ch: Channel, buf: np.ndarray, root: int, *, topo: Topology, selector: PhasePicker) -> None:
@@ -162,11 +163,12 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, *, topo: Topology, sel
             tree.broadcast(sub_channel(ch, p.local, "hier/bcast"), buf, 0)
         return
     counts, shard = _shard(buf, p)
-    if p.L > 1:
-        shard = np.empty(counts[p.j], buf.dtype)
+    if p.L == 1:
+        _across_hosts("allreduce", ch, p, shard, op, topo=topo, selector=selector)
+        return
+    with ch.scratch(counts[p.j], buf.dtype) as shard:
         ring.reduce_scatter(sub_channel(ch, p.local, "hier/rs"), buf, shard, op, counts)
-    _across_hosts("allreduce", ch, p, shard, op, topo=topo, selector=selector)
-    if p.L > 1:
+        _across_hosts("allreduce", ch, p, shard, op, topo=topo, selector=selector)
         ring.allgather(sub_channel(ch, p.local, "hier/ag"), shard, buf, counts)
 
 
@@ -201,37 +203,42 @@ def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray, counts: Optional[
         np.copyto(recv[:send.size], send)
         return
     p = _Place(ch, topo)
+    with contextlib.ExitStack() as held:  # the staging buffers, scratch until the blocks are in place
 
-    def across(members: List[int], mine: np.ndarray, sizes: List[int], streams: int) -> np.ndarray:
-        """The pieces of `members` (one rank per host), gathered across hosts in host order."""
-        out = np.empty(sum(sizes), send.dtype)
-        if len(members) == 1:
-            np.copyto(out, mine)
-        elif out.size:
-            selector.phase("allgather", out.nbytes, topo.subset(members), streams)(
-                sub_channel(ch, members, "hier/cross"), mine, out, sizes)
-        return out
+        def scratch(count: int) -> np.ndarray:
+            return held.enter_context(ch.scratch(count, send.dtype))
 
-    if topo.uniform:  # across hosts first: bundle k holds the blocks of local rank k of every host
-        order = [m[k] for k in range(p.L) for m in topo.members]
-        cross = p.peers()
-        staged = across(cross, send, [counts_l[c] for c in cross], p.L)
-        if p.L > 1:
-            sizes = [sum(counts_l[m[k]] for m in topo.members) for k in range(p.L)]
-            bundle, staged = staged, np.empty(sum(sizes), send.dtype)
-            ring.allgather(sub_channel(ch, p.local, "hier/ag"), bundle, staged, sizes)
-    else:  # leaders: gather on the host, allgather host bundles across hosts, broadcast on the host
-        order = topo.ring_order()
-        lead = _leaders(topo)
-        bundle: Optional[np.ndarray] = send
-        if p.L > 1:
-            local_counts = [counts_l[r] for r in p.local]
-            bundle = np.empty(sum(local_counts), send.dtype) if p.j == 0 else None
-            linear.gather(sub_channel(ch, p.local, "hier/gather"), send, bundle, 0, local_counts)
-        staged = np.empty(sum(counts_l), send.dtype)
-        if bundle is not None:
-            staged = across(lead, bundle, [sum(counts_l[r] for r in m) for m in topo.members], 1)
-        if p.L > 1:
-            tree.broadcast(sub_channel(ch, p.local, "hier/bcast"), staged, 0)
-    move_blocks(staged, displacements([counts_l[o] for o in order]), recv, displacements(counts_l),
-                list(enumerate(order)))
+        def across(members: List[int], mine: np.ndarray, sizes: List[int], streams: int) -> np.ndarray:
+            """The pieces of `members` (one rank per host), gathered across hosts in host order."""
+            out = scratch(sum(sizes))
+            if len(members) == 1:
+                np.copyto(out, mine)
+            elif out.size:
+                selector.phase("allgather", out.nbytes, topo.subset(members), streams)(
+                    sub_channel(ch, members, "hier/cross"), mine, out, sizes)
+            return out
+
+        if topo.uniform:  # across hosts first: bundle k holds the blocks of local rank k of every host
+            order = [m[k] for k in range(p.L) for m in topo.members]
+            cross = p.peers()
+            staged = across(cross, send, [counts_l[c] for c in cross], p.L)
+            if p.L > 1:
+                sizes = [sum(counts_l[m[k]] for m in topo.members) for k in range(p.L)]
+                bundle, staged = staged, scratch(sum(sizes))
+                ring.allgather(sub_channel(ch, p.local, "hier/ag"), bundle, staged, sizes)
+        else:  # leaders: gather on the host, allgather host bundles across hosts, broadcast on the host
+            order = topo.ring_order()
+            lead = _leaders(topo)
+            bundle: Optional[np.ndarray] = send
+            if p.L > 1:
+                local_counts = [counts_l[r] for r in p.local]
+                bundle = scratch(sum(local_counts)) if p.j == 0 else None
+                linear.gather(sub_channel(ch, p.local, "hier/gather"), send, bundle, 0, local_counts)
+            if bundle is not None:
+                staged = across(lead, bundle, [sum(counts_l[r] for r in m) for m in topo.members], 1)
+            else:
+                staged = scratch(sum(counts_l))
+            if p.L > 1:
+                tree.broadcast(sub_channel(ch, p.local, "hier/bcast"), staged, 0)
+        move_blocks(staged, displacements([counts_l[o] for o in order]), recv, displacements(counts_l),
+                    list(enumerate(order)))

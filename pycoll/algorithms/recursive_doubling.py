@@ -55,11 +55,11 @@ class Fold(NamedTuple):
 
 
 def fold_in(ch: Channel, fold: Fold, data: np.ndarray, op: ReduceOp,
-            in_place: bool = True) -> Tuple[Optional[int], np.ndarray]:
+            into: Optional[np.ndarray] = None) -> Tuple[Optional[int], np.ndarray]:
     """Fold the extra ranks in; returns (survivor number or None, array holding the folded data).
 
-    The absorbing rank computes op(data, incoming) into `data` (in_place) or op(incoming, data)
-    into a new array, leaving `data` untouched.
+    The absorbing rank computes op(data, incoming) into `data`, or with `into` (an array like
+    `data`) op(incoming, data) into `into`, leaving `data` untouched.
     """
     r = ch.rank
     newrank = fold.newrank(r)
@@ -68,13 +68,14 @@ def fold_in(ch: Channel, fold: Fold, data: np.ndarray, op: ReduceOp,
     if newrank is None:
         exchange(ch, FOLD_TAG, r + 1, [data])
         return None, data
-    incoming = np.empty_like(data)
-    exchange(ch, FOLD_TAG, src=r - 1, recv=[incoming])
-    if in_place:
+    if into is not None:
+        exchange(ch, FOLD_TAG, src=r - 1, recv=[into])
+        reduce_into(op, into, data)
+        return newrank, into
+    with ch.scratch(data.shape, data.dtype) as incoming:
+        exchange(ch, FOLD_TAG, src=r - 1, recv=[incoming])
         reduce_into(op, data, incoming)
-        return newrank, data
-    reduce_into(op, incoming, data)
-    return newrank, incoming
+    return newrank, data
 
 
 def fold_out(ch: Channel, fold: Fold, result: np.ndarray, into: np.ndarray) -> None:
@@ -105,13 +106,13 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
     fold = Fold.of(ch.size)
     me, _ = fold_in(ch, fold, buf, op)
     if me is not None:
-        incoming = np.empty_like(buf)
-        mask, step = 1, FIRST_STEP_TAG
-        while mask < fold.p2:
-            peer = fold.real(me ^ mask)
-            exchange(ch, step, peer, [buf], peer, [incoming])
-            reduce_into(op, buf, incoming)
-            mask, step = mask << 1, step + 1
+        with ch.scratch(buf.shape, buf.dtype) as incoming:
+            mask, step = 1, FIRST_STEP_TAG
+            while mask < fold.p2:
+                peer = fold.real(me ^ mask)
+                exchange(ch, step, peer, [buf], peer, [incoming])
+                reduce_into(op, buf, incoming)
+                mask, step = mask << 1, step + 1
     fold_out(ch, fold, buf, buf)
 
 

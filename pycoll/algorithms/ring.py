@@ -129,17 +129,18 @@ def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp, src: Optional[np.ndarr
             np.copyto(buf, src)
         return
     seg = Segments(chunk_edges(buf.size, n), buf.itemsize)
-    tmp = np.empty((2, seg.width), buf.dtype)  # double buffer, for transports that cannot reduce on arrival
     half = (n - 1) * seg.spr
+    with ch.scratch((2, seg.width), buf.dtype) as tmp:  # double buffer, for transports that cannot reduce on arrival
 
-    def transfer(j: int) -> Transfer:
-        if j >= half:  # allgather of the reduced blocks
-            return _forward(seg, buf, r + 1, j - half)
-        s, k = divmod(j, seg.spr)  # reduce-scatter: afterwards rank r owns the reduced block r+1
-        mine = seg.at(r - s - 1, k)
-        return (src if s == 0 else buf)[seg.at(r - s, k)], buf[mine], src[mine], tmp[j % 2, :mine.stop - mine.start]
+        def transfer(j: int) -> Transfer:
+            if j >= half:  # allgather of the reduced blocks
+                return _forward(seg, buf, r + 1, j - half)
+            s, k = divmod(j, seg.spr)  # reduce-scatter: afterwards rank r owns the reduced block r+1
+            mine = seg.at(r - s - 1, k)
+            return ((src if s == 0 else buf)[seg.at(r - s, k)], buf[mine], src[mine],
+                    tmp[j % 2, :mine.stop - mine.start])
 
-    _pipeline(ch, 2 * half, transfer, op)
+        _pipeline(ch, 2 * half, transfer, op)
 
 
 allreduce.accepts_src = True  # type: ignore[attr-defined]  # the Communicator skips its copy
@@ -156,16 +157,16 @@ def reduce_scatter(ch: Channel, send: np.ndarray, recv: np.ndarray, op: ReduceOp
     seg = Segments(edges, send.itemsize)
     # partial sums in flight, double-buffered by step; one slot per segment index, so a receive never
     # overlaps a send still in flight when blocks (and so their segments) differ in size
-    partial = np.empty((min(n - 2, 2), seg.spr, seg.width), send.dtype)
+    with ch.scratch((min(n - 2, 2), seg.spr, seg.width), send.dtype) as partial:
 
-    def transfer(j: int) -> Transfer:
-        s, k = divmod(j, seg.spr)  # step s: pass block r-s-1 on, receive block r-s-2 (r at the end)
-        own = send[seg.at(r - s - 2, k)]
-        incoming = recv[seg.within(r, k)] if s == n - 2 else partial[s % 2, k, :own.size]
-        out = send[seg.at(r - 1, k)] if s == 0 else partial[(s - 1) % 2, k, :seg.length(r - s - 1, k)]
-        return out, incoming, own, incoming
+        def transfer(j: int) -> Transfer:
+            s, k = divmod(j, seg.spr)  # step s: pass block r-s-1 on, receive block r-s-2 (r at the end)
+            own = send[seg.at(r - s - 2, k)]
+            incoming = recv[seg.within(r, k)] if s == n - 2 else partial[s % 2, k, :own.size]
+            out = send[seg.at(r - 1, k)] if s == 0 else partial[(s - 1) % 2, k, :seg.length(r - s - 1, k)]
+            return out, incoming, own, incoming
 
-    _pipeline(ch, (n - 1) * seg.spr, transfer, op)
+        _pipeline(ch, (n - 1) * seg.spr, transfer, op)
 
 
 def allgather(ch: Channel, send: np.ndarray, recv: np.ndarray,

@@ -79,11 +79,11 @@ def _bcast(ch: Channel, buf: np.ndarray, tree: Tree, tag: int) -> None:
 def _reduce(ch: Channel, acc: np.ndarray, op: ReduceOp, tree: Tree, tag: int) -> None:
     """acc = op(acc, children's subtree results) in a fixed order, then send acc to the parent."""
     parent, children = tree
-    rows = np.empty((len(children), acc.size), acc.dtype)
-    reqs = [ch.irecv(row, c, tag) for row, c in zip(rows, children)]
-    for req, row in zip(reqs, rows):
-        ch.wait(req)
-        reduce_into(op, acc, row)
+    with ch.scratch((len(children), acc.size), acc.dtype) as rows:
+        reqs = [ch.irecv(row, c, tag) for row, c in zip(rows, children)]
+        for req, row in zip(reqs, rows):
+            ch.wait(req)
+            reduce_into(op, acc, row)
     if parent is not None:
         ch.wait(ch.isend(acc, parent, tag))
 
@@ -117,7 +117,12 @@ def reduce(ch: Channel, buf: np.ndarray, op: ReduceOp, root: int) -> None:
         return
     tree = _binomial(ch, root)
     parent, children = tree
-    _reduce(ch, buf if parent is None or not children else buf.copy(), op, tree, tag=0)
+    if parent is None or not children:
+        _reduce(ch, buf, op, tree, tag=0)
+        return
+    with ch.scratch(buf.shape, buf.dtype) as acc:  # an inner rank's partial sum: its own buf stays as it was
+        np.copyto(acc, buf)
+        _reduce(ch, acc, op, tree, tag=0)
 
 
 def allreduce(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
@@ -134,16 +139,22 @@ class _Lane:
     up(k) reduces segment k from the children and sends it to the parent (the root starts its
     broadcast instead), down(k) receives the final segment k from the parent and forwards it."""
 
-    def __init__(self, ch: Channel, part: np.ndarray, op: ReduceOp, tree: Tree, lane: int) -> None:
+    def __init__(self, ch: Channel, part: np.ndarray, op: ReduceOp, tree: Tree, lane: int,
+                 scratch: np.ndarray) -> None:
+        """`scratch`: an array of scratch_shape(part, tree), the lane's double-buffered receives."""
         self.ch, self.part, self.op, self.lane = ch, part, op, lane
         self.parent, self.children = tree
         self.segs = _segments(part.size, part.itemsize)
-        width = self.segs[0][1] if self.segs else 0
-        self.scratch = np.empty((2, len(self.children), width), part.dtype)  # double-buffered receives
+        self.scratch = scratch
         self.incoming: Dict[int, List[Request]] = {}
         self.up_sends: Dict[int, Request] = {}
         self.down_sends: List[Request] = []
         self._post(0)
+
+    @staticmethod
+    def scratch_shape(part: np.ndarray, tree: Tree) -> Tuple[int, int, int]:
+        """Two segments' receives from each child of `tree`."""
+        return 2, len(tree[1]), min(part.size, max(1, SEGMENT_BYTES // part.itemsize))
 
     def _tag(self, k: int, down: int) -> int:
         return (k * 2 + self.lane) * 2 + down
@@ -193,14 +204,17 @@ def allreduce_double_tree(ch: Channel, buf: np.ndarray, op: ReduceOp) -> None:
         return
     half = (buf.size + 1) // 2
     trees = _double_tree(ch)
-    lanes = [_Lane(ch, buf[:half], op, trees[0], 0), _Lane(ch, buf[half:], op, trees[1], 1)]
-    # All ranks run the same step order and every wait is for a message its peer posts at the same
-    # or an earlier step, so there is no deadlock; broadcasts trail reductions by `lag` segments
-    # (about twice the tree depth) so that a segment's final value has usually arrived when needed.
-    lag = 2 * n.bit_length()
-    for k in range(len(lanes[0].segs) + lag):
-        for lane in lanes:
-            lane.up(k)
-        for lane in lanes:
-            lane.down(k - lag)
-    ch.wait(*lanes[0].down_sends, *lanes[1].down_sends)
+    parts = buf[:half], buf[half:]
+    with ch.scratch(_Lane.scratch_shape(parts[0], trees[0]), buf.dtype) as first, \
+            ch.scratch(_Lane.scratch_shape(parts[1], trees[1]), buf.dtype) as second:
+        lanes = [_Lane(ch, parts[0], op, trees[0], 0, first), _Lane(ch, parts[1], op, trees[1], 1, second)]
+        # All ranks run the same step order and every wait is for a message its peer posts at the same
+        # or an earlier step, so there is no deadlock; broadcasts trail reductions by `lag` segments
+        # (about twice the tree depth) so that a segment's final value has usually arrived when needed.
+        lag = 2 * n.bit_length()
+        for k in range(len(lanes[0].segs) + lag):
+            for lane in lanes:
+                lane.up(k)
+            for lane in lanes:
+                lane.down(k - lag)
+        ch.wait(*lanes[0].down_sends, *lanes[1].down_sends)

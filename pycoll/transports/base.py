@@ -13,9 +13,11 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
+from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, RevokedError, TimeoutError
 from ..ids import notice_id
+from ..scratch import ScratchPool
 from .capabilities import Capability
 from .matching import Match, Matcher
 from .request import ANY, MsgKey, Request, Sink, as_bytes
@@ -42,6 +44,7 @@ class Transport(ABC):
         self.capabilities: Dict[type, Capability] = {}  # what it offers beyond point-to-point, by kind
         self.matcher: Matcher = Matcher(rank)          # posted receives, unexpected arrivals, failed peers
         self.closed = False
+        self.scratch = ScratchPool(config.get("PYCOLL_SCRATCH_POOL"))  # calls' temporaries, kept (scratch.py)
 
     def offers(self, kind: Type[C]) -> Optional[C]:
         """This transport's capability of class `kind` (capabilities.py), or None."""
@@ -98,6 +101,7 @@ class Transport(ABC):
                 return
             self.closed = True
         self._shutdown()
+        self.scratch.clear()
 
     @abstractmethod
     def _shutdown(self) -> None:

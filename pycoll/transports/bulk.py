@@ -146,7 +146,15 @@ class Incoming:
     def _finish(self, error: Optional[BaseException]) -> None:
         if self.left >= 0:
             self.left = -1
-            self.on_done(error)
+            done, self.on_done, self.owner = self.on_done, _ignore, None
+            # (the owner, tcp's _Parked, refers back to this payload, as on_done may: left in place, that
+            # cycle would keep the receive and its buffer, the user's array, alive until the garbage
+            # collector ran, hundreds of calls later, and glibc's heap would fragment around them)
+            done(error)
+
+
+def _ignore(error: Optional[BaseException]) -> None:
+    """on_done of a finished payload."""
 
 
 class _InPart:

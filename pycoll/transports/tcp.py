@@ -57,11 +57,12 @@ class _Parked:
     the receive can claim it and have it land in place; only if that takes PARK_AFTER s (the
     program waits on a later message first) is it read into a buffer of its own and copied later."""
 
-    __slots__ = ("incoming", "buffer", "complete", "error", "req")
+    __slots__ = ("incoming", "buffer", "raw", "complete", "error", "req")
 
     def __init__(self, incoming: Incoming) -> None:
         self.incoming = incoming
         self.buffer: Optional[memoryview] = None  # set once it is read ahead of its receive
+        self.raw: Optional[np.ndarray] = None  # the scratch buffer `buffer` views (the transport's pool)
         self.complete = False
         self.error: Optional[BaseException] = None  # the stream broke before all of it came
         self.req: Optional[Request] = None
@@ -313,6 +314,8 @@ class TcpTransport(Transport):
         self._check_length(req, len(frame.buffer))
         if req.error is None:
             req.deliver(frame.buffer)
+        if isinstance(frame, _Parked):  # copied out: its buffer serves the next parked payload
+            self.scratch.give(frame.raw)
         req.done = True
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
@@ -536,9 +539,10 @@ class TcpTransport(Transport):
                 due = min(due, incoming.since + PARK_AFTER - now)
                 continue
             with self._match:
-                if not incoming.claimed:
-                    incoming.target = memoryview(np.empty(incoming.nbytes, np.uint8))  # no zero-fill
-                    incoming.owner.buffer = incoming.target
+                if not incoming.claimed:  # read into a scratch buffer until its receive comes
+                    parked = incoming.owner
+                    parked.raw = self.scratch.take(incoming.nbytes)
+                    incoming.target = parked.buffer = memoryview(parked.raw[:incoming.nbytes])
         return due
 
     def _unparked(self, parked: _Parked, error: Optional[BaseException]) -> None:
@@ -550,6 +554,8 @@ class TcpTransport(Transport):
             return
         if error is None and req.error is None:
             req.deliver(parked.buffer)
+        if error is None:
+            self.scratch.give(parked.raw)
         fail(req, error)
 
     def _peer_lost(self, monitor: zmq.Socket) -> None:
