@@ -29,6 +29,7 @@ from .work import Work, Worker
 P2P_SEQ = 0  # point-to-point messages use call number 0; collectives count from 1
 ANY_SOURCE = -1  # recv/irecv src: the first message with the tag from any rank (MPI_ANY_SOURCE)
 OpLike = Union[ReduceOp, str]
+_OP_NAMES = {op: op.value for op in ReduceOp}  # a fingerprint names its op: the flight recorder stores names
 _REGISTERED = frozenset({"allreduce", "allgather", "reduce_scatter", "broadcast"})  # read in place (symmetric)
 
 
@@ -339,7 +340,8 @@ class Communicator:
         dst = src if out is None else self._output(out, "allreduce", src.dtype, src.size)
         fn = self._algorithm("allreduce", src.nbytes, algo)
         fd, fs = flat(dst), flat(src)  # (made here: a persistent handle's runs then post the same arrays)
-        in_place, takes_src = dst is src, getattr(fn, "accepts_src", False)
+        in_place = dst is src
+        takes_src = not in_place and getattr(fn, "accepts_src", False)
 
         def body(ch: Channel) -> Any:
             if in_place:
@@ -352,7 +354,7 @@ class Communicator:
             if op is AVG:
                 finish_avg(dst, ch.size)
             return x if out is None else out
-        return self._run("allreduce", body, async_op, timeout, (src.dtype, src.size, op, None))
+        return self._run("allreduce", body, async_op, timeout, (src.dtype, src.size, _OP_NAMES[op], None))
 
     def reduce(self, x: Any, root: int = 0, op: OpLike = ReduceOp.SUM, out: Any = None, *,
                async_op: bool = False, timeout: Optional[float] = None, algo: Optional[str] = None) -> Any:
@@ -371,7 +373,7 @@ class Communicator:
             if op is AVG and ch.rank == root:
                 finish_avg(dst, ch.size)
             return out if out is not None and ch.rank == root else x
-        return self._run("reduce", body, async_op, timeout, (src.dtype, src.size, op, root))
+        return self._run("reduce", body, async_op, timeout, (src.dtype, src.size, _OP_NAMES[op], root))
 
     def reduce_scatter(self, x: Any, out: Any = None, op: OpLike = ReduceOp.SUM, *,
                        counts: Optional[Sequence[int]] = None, async_op: bool = False,
@@ -405,7 +407,7 @@ class Communicator:
             if op is AVG:
                 finish_avg(dst, ch.size)
             return result
-        return self._run("reduce_scatter", body, async_op, timeout, (src.dtype, counts_l, op, None))
+        return self._run("reduce_scatter", body, async_op, timeout, (src.dtype, counts_l, _OP_NAMES[op], None))
 
     # -- data movement ----------------------------------------------------------------------------
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,

@@ -19,7 +19,7 @@ from .algorithms.recursive_doubling import allgather
 from .channel import Channel
 from .errors import ProtocolError
 from .ids import derived_id
-from .ops import BFLOAT16_CODE, DTYPE_CODES, ReduceOp, dtype_code
+from .ops import BFLOAT16_CODE, DTYPE_CODES, ReduceOp, as_op, dtype_code
 
 COLLECTIVES = ("allreduce", "reduce", "reduce_scatter", "broadcast", "allgather", "allgatherv",
                "alltoall", "alltoallv", "gather", "scatter", "barrier", "allgather_ragged")
@@ -28,7 +28,7 @@ _OPS = tuple(ReduceOp)
 _UNSET = -1  # a field the collective does not have (no op, no root, ...)
 
 Count = Union[int, Sequence[int], None]  # elements, or per-rank counts that must agree everywhere
-Fingerprint = Tuple[Optional[np.dtype], Count, Optional[ReduceOp], Optional[int]]  # dtype, count, op, root
+Fingerprint = Tuple[Optional[np.dtype], Count, Union[ReduceOp, str, None], Optional[int]]  # dtype, count, op, root
 
 
 class MismatchError(ProtocolError, ValueError):
@@ -61,7 +61,7 @@ def encode(collective: str, dtype: Optional[np.dtype], count: Count, op: Optiona
         count = int(counts.sum())
     return np.array([COLLECTIVES.index(collective), _UNSET if dtype is None else dtype_code(dtype),
                      _UNSET if count is None else count, layout,
-                     _UNSET if op is None else _OPS.index(op), _UNSET if root is None else root], np.int64)
+                     _UNSET if op is None else _OPS.index(as_op(op)), _UNSET if root is None else root], np.int64)
 
 
 def verify(ch: Channel, mine: np.ndarray) -> None:

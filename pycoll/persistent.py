@@ -162,8 +162,6 @@ class Persistent(_Handle):
         described = describe(collective, fingerprint)
         super().__init__(comm, f"persistent {described} of {comm.name}", watches)
         self.collective, self._fp, self._algo = collective, fingerprint, algo
-        op = fingerprint[2]  # the flight recorder's form, made once: the op by its name
-        self._rec_fp = fingerprint if op is None else (fingerprint[0], fingerprint[1], op.value, *fingerprint[3:])
         self.mark = mark_of(collective, fingerprint) if marked else 0
         if self.mark:
             _MARKS[self.mark] = described
@@ -215,7 +213,7 @@ class Persistent(_Handle):
         self.runs += 1
         if rec is None:
             return self._body(ch)
-        return rec.call(ch.seq, self.collective, self._rec_fp, self._algo, self._body, ch)
+        return rec.call(ch.seq, self.collective, self._fp, self._algo, self._body, ch)
 
     def start(self) -> None:
         """Queue one run on the communicator's worker (in call order) and return at once."""
@@ -232,7 +230,7 @@ class Persistent(_Handle):
         with comm._seq_lock:
             ch.seq, ch._after = next(comm._seq), None
             comm._inflight += 1
-            entry = rec.enter(ch.seq, self.collective, self._rec_fp, self._algo) if rec is not None else None
+            entry = rec.enter(ch.seq, self.collective, self._fp, self._algo) if rec is not None else None
         self.runs += 1
         if entry is not None:
             body = rec.traced(entry, body)

@@ -29,7 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
-PEERS = ("mpi", "mpi-tcp", "gloo", "torch-pycoll", "python-shm")  # (the last two: pycoll through torch, Python's floor)
+# (the last two: pycoll through torch, Python's floor)
+PEERS = ("mpi", "mpi-tcp", "gloo", "torch-pycoll", "python-shm")
 PERSISTENT = "-persistent"  # a pycoll job's name ending in it calls persistent handles
 
 
