@@ -163,6 +163,8 @@ class VerbsTransport(Transport):
         self._cond = threading.Condition()
         self._generation = 0               # bumped whenever the leader stops waiting
         self._last_completion = 0.0        # when the CQ last had something (probes wait for quiet)
+        self._probed = 0.0                 # when waiters last probed silent peers (AutoTransport waits
+        # in 1 ms slices: the quiet second is counted across them)
         self._wrs: Dict[int, Tuple[_Peer, int, Optional[Callable[[], None]]]] = {}  # on success
         self._next_wr = 0
         self._incoming: Dict[Tuple[int, int], _Transfer] = {}  # (peer, msg id) -> receive
@@ -294,7 +296,6 @@ class VerbsTransport(Transport):
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        probed = time.monotonic()
         while True:
             generation = self._generation
             with self._lock:
@@ -302,10 +303,10 @@ class VerbsTransport(Transport):
             now = time.monotonic()
             if now >= deadline or all(r.done for r in reqs):
                 return all(r.done for r in reqs)
-            if now - max(self._last_completion, probed) >= PROBE_AFTER:
+            if now - max(self._last_completion, self._probed) >= PROBE_AFTER:
                 self._probe_peers({p for r in reqs if not r.done  # any source: every peer
                                    for p in (self._active if r.peer == ANY else (r.peer,))})
-                probed = now
+                self._probed = now
             self._wait_once(min(deadline - now, PROBE_AFTER), generation)
 
     def progress(self) -> None:

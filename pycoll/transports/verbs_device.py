@@ -224,8 +224,8 @@ def _pick_gid(pv: SimpleNamespace, ctx: Any, port: int, table_len: int, ethernet
         gid = entry.gid_str()
         if entry.port_num != port or not gid.strip("0:"):
             continue
-        v2 = entry.gid_type == pv.e.IBV_GID_TYPE_ROCE_V2
-        score = 2 * v2 + gid.startswith("::ffff:")
+        v2 = entry.gid_type == pv.e.IBV_GID_TYPE_ROCE_V2  # (gid_str() is the 8-word form: parse it)
+        score = 2 * v2 + (ipaddress.IPv6Address(gid).ipv4_mapped is not None)
         if score > best[0]:
             best = (score, entry.gid_index, gid)
     if best[2] is None:

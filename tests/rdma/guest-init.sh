@@ -2,6 +2,8 @@
 # Inside the test VM, as PID 1 (started by /sbin/pycoll-guest-init from the image): bring up
 # soft-RoCE (rdma_rxe over eth0), copy the shared pycoll tree to a writable place, run the host's
 # /out/cmd.sh there, leave its output in /out/guest.log and its exit code in /out/rc, power off.
+# The kernel command line may give eth0's address and the hostname (run-vm-pair.sh does:
+# pycoll.addr=10.9.0.1/24 pycoll.name=pycoll-rdma-vm0); else 10.0.2.15/24 and pycoll-rdma-vm.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
@@ -18,7 +20,14 @@ finish() {
     sleep 30
 }
 : >/out/guest.log
-hostname pycoll-rdma-vm
+addr=10.0.2.15/24 name=pycoll-rdma-vm
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        pycoll.addr=*) addr="${arg#pycoll.addr=}" ;;
+        pycoll.name=*) name="${arg#pycoll.name=}" ;;
+    esac
+done
+hostname "$name"
 modprobe virtio_net 2>>/out/guest.log
 i=0
 until [ -e /sys/class/net/eth0 ]; do  # the NIC appears asynchronously after the module loads
@@ -29,16 +38,16 @@ modprobe rdma_rxe || { say "no rdma_rxe module in this kernel"; finish 90; }
 modprobe ib_uverbs
 ip link set lo up
 ip link set eth0 up
-# The NIC is on an isolated qemu network (restrict=on): verbs traffic between ranks on rxe0
-# never leaves the guest (rxe loops packets to its own address back internally).
-ip addr add 10.0.2.15/24 dev eth0
+# The NIC is on an isolated qemu network: user-mode with restrict=on (one VM: verbs traffic between
+# ranks on rxe0 never leaves the guest, rxe loops it back internally) or the pair's link (run-vm-pair.sh).
+ip addr add "$addr" dev eth0
 rdma link add rxe0 type rxe netdev eth0 || { say "rdma link add failed"; finish 91; }
 i=0
 until ibv_devinfo -d rxe0 2>/dev/null | grep -q PORT_ACTIVE; do
     i=$((i + 1)); [ $i -gt 50 ] && { say "rxe0 port never became active"; ibv_devinfo >>/out/guest.log 2>&1; finish 92; }
     sleep 0.1
 done
-say "soft-RoCE up: $(rdma link show | tr '\n' ' ')"
+say "soft-RoCE up on $name ($addr): $(rdma link show | tr '\n' ' ')"
 ulimit -l unlimited
 mkdir -p /root/pycoll
 (cd /src && tar --exclude=.git --exclude='*.pyc' --exclude=__pycache__ -cf - .) | tar -xf - -C /root/pycoll
