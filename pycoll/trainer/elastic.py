@@ -11,9 +11,10 @@ a thread waits on the store, so watching costs nothing per step), so all members
 step that one is waiting. At the end of that step they grow the communicator with it (members keep
 their ranks, the newcomer follows) and heal it from rank 0, a live member: the counters (step, epoch,
 position in the epoch), the parameters and the optimizer state are broadcast, and the next step's
-data is sharded over the grown size. Each event is reported with its CLOCK_MONOTONIC time:
-"[t=812.345] rank 2 died at step 41; continued on 3 ranks after 0.80 s", "[t=815.012] rank 3 joined
-at step 57; continued on 4 ranks after 0.45 s".
+data is sharded over the grown size. Each event is reported with its CLOCK_MONOTONIC time (a death
+also with when rank 0 met it: its call failed, or the agreement told it):
+"[t=812.345] rank 2 died at step 41; continued on 3 ranks after 0.80 s (shrunk; met at t=811.903)",
+"[t=815.012] rank 3 joined at step 57; continued on 4 ranks after 0.45 s (grown and healed)".
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Event:
     """Ranks that died in `step` (world numbering), or that joined after it (ranks of the grown
-    communicator), what the run went on with, how long the recovery took, and when it ended
-    (time.monotonic(): comparable between the processes of a host)."""
+    communicator), what the run went on with, how long the recovery took, when it ended and, for a
+    death, when this rank met the failure (time.monotonic(): comparable between the processes of a host)."""
     step: int
     dead: List[int]
     ranks: int
     seconds: float
     joined: List[int] = field(default_factory=list)
     at: float = 0.0
+    met: float = 0.0
 
     def __str__(self) -> str:
         if self.joined:
@@ -48,7 +50,7 @@ class Event:
             what = "grown and healed"
         else:
             who = f"rank {self.dead[0]} died" if len(self.dead) == 1 else f"ranks {self.dead} died"
-            what = "shrunk"
+            what = f"shrunk; met at t={self.met:.3f}"
         return f"[t={self.at:.3f}] {who} at step {self.step}; continued on {self.ranks} ranks after " \
                f"{self.seconds:.2f} s ({what})"
 
@@ -61,6 +63,7 @@ class Elastic:
         self.events: List[Event] = []
         self._on_event = on_event
         self.arrived = 0  # the newcomers' highest ticket, as the members last agreed
+        self._met = 0.0  # when this rank's current call failed (time.monotonic()), 0.0 if it did not
         try:
             grow.arrivals(comm)  # start watching the store
             self.grows = True
@@ -73,14 +76,15 @@ class Elastic:
         seen = grow.arrivals(self.comm) if self.grows else 0
         ok, dead, self.arrived = ft.agree_max(self.comm, ok, seen)
         if dead:
-            self._shrink(dead, step, since)
+            self._shrink(dead, step, since, self._met or time.monotonic())
+        self._met = 0.0
         return ok
 
-    def _shrink(self, dead: List[int], step: int, since: float) -> None:
+    def _shrink(self, dead: List[int], step: int, since: float, met: float) -> None:
         old = self.comm
         self.comm = old.shrink()
         self._event(Event(step, [old.group[r] for r in dead], self.comm.size, time.perf_counter() - since,
-                          at=time.monotonic()))
+                          at=time.monotonic(), met=met))
 
     def _event(self, event: Event) -> None:
         self.events.append(event)
@@ -95,6 +99,7 @@ class Elastic:
             result: Optional[T] = fn(self.comm)
             ok = True
         except (PeerError, RevokedError):
+            self._met = time.monotonic()
             self.comm.revoke()
             if abandon is not None:
                 abandon()
@@ -125,7 +130,7 @@ class Elastic:
                 print(f"pycoll.trainer: [t={time.monotonic():.3f}] newcomers were not admitted at step {step}: {e}",
                       flush=True)
             if e.dead:
-                self._shrink(e.dead, step, since)
+                self._shrink(e.dead, step, since, time.monotonic())
             return False
         if grown is self.comm:
             return False
