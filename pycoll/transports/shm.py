@@ -50,10 +50,13 @@ from collections import deque
 
 from typing import ContextManager, Deque, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .. import config
 from ..bootstrap.store import Store
 from ..errors import PeerError, ProtocolError, TimeoutError
 from ..ids import is_notice
+from ..scratch import MIN_POOLED
 from . import wire
 from .base import Request, Transport
 from .request import ANY
@@ -132,12 +135,13 @@ def _ring_bytes(local: int) -> int:
 class _Inbound:
     """A message read out of a ring: its payload goes to `dest` (None: dropped), then `req` completes."""
 
-    __slots__ = ("nbytes", "dtype", "got", "skip", "left", "dest", "req")
+    __slots__ = ("nbytes", "dtype", "got", "skip", "left", "dest", "req", "raw")
 
     def __init__(self, nbytes: int, dtype: int, skip: int, body: int) -> None:
         self.nbytes, self.dtype, self.got, self.skip, self.left = nbytes, dtype, 0, skip, body
         self.dest: Optional[memoryview] = None
         self.req: Optional[Request] = None
+        self.raw: Optional[np.ndarray] = None  # the scratch buffer `dest` views, while it holds the payload
 
 
 class _Outbound:
@@ -651,6 +655,7 @@ class ShmTransport(Transport):
                 if req is not None:
                     if req.sink is not None:
                         req.deliver(cur.dest)
+                        self._let_go(cur)
                     req.done = True
             ctrl[_TAIL] = rpos  # after the payload loads above (x86 keeps loads before later stores)
             self._wake(p, _TAIL)
@@ -676,7 +681,7 @@ class ShmTransport(Transport):
         p.held = None
         inb = _Inbound(nbytes, dtype, skip, body)
         if first is None:
-            inb.dest = memoryview(bytearray(nbytes))
+            inb.dest = self._aside(inb)
             self.matcher.stash(match, inb)
             return inb
         if first.peer != ANY:  # (an any-source receive was never counted on a peer)
@@ -692,8 +697,22 @@ class ShmTransport(Transport):
             req.done = True
             inb.got = nbytes
         else:  # longer than the ring: gather it first
-            inb.dest, inb.req = memoryview(bytearray(nbytes)), req
+            inb.dest, inb.req = self._aside(inb), req
         return inb
+
+    def _aside(self, inb: _Inbound) -> memoryview:
+        """A buffer for a payload read before its receive takes it (or gathered for a sink): from the
+        scratch pool if large (given back once the payload is handed over), else a bytearray."""
+        if inb.nbytes < MIN_POOLED:
+            return memoryview(bytearray(inb.nbytes))
+        inb.raw = self.scratch.take(inb.nbytes)
+        return memoryview(inb.raw[:inb.nbytes])
+
+    def _let_go(self, inb: _Inbound) -> None:
+        """The payload read aside has been handed over: its scratch buffer goes back to the pool."""
+        if inb.raw is not None:
+            self.scratch.give(inb.raw)
+            inb.raw = None
 
     def _header(self, p: _Peer, off: int) -> Tuple[Match, int, int]:
         """(match key, nbytes, dtype) of the header at `off` in `p`'s ring: wire.unpack_header's checks,
@@ -715,15 +734,18 @@ class ShmTransport(Transport):
         req.check_incoming(self.rank, inb.nbytes, inb.dtype)
         if req.error is not None:
             inb.dest = None  # the rest of the message is read and dropped
+            self._let_go(inb)
             req.done = True
         elif inb.got == inb.nbytes:
             req.deliver(inb.dest)
+            self._let_go(inb)
             req.done = True
         elif req.sink is not None:
             inb.req = req  # keeps gathering into its buffer; the sink gets it at the end
         else:
             req.view[:inb.got] = inb.dest[:inb.got]
             inb.dest, inb.req = req.view, req
+            self._let_go(inb)
 
     def _fault_domains(self) -> List[Tuple[ContextManager, Matcher]]:
         return [(self._lock, self.matcher)]
