@@ -10,7 +10,8 @@ pycoll's error and whose get_future() gives the output tensors (DDP comm hooks u
 Its parts: `group` (ProcessGroupPycoll: torch's calls on a Communicator), `work` (PycollWork),
 `options` (torch's reduce ops and timeouts read), `tensors` (tensors as pycoll buffers and back),
 `store` (C10dStore), `factory` (create(): the group factory torch calls; closing at exit); the
-registration with torch is pycoll/torch_autoload.py's, here called on import.
+registration with torch is pycoll/torch_autoload.py's, here called on import. `elastic` (imported on
+its own: ElasticDDP, DDP on a pycoll group that shrinks when ranks die and grows when they come back).
 """
 from __future__ import annotations
 
