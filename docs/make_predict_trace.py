@@ -15,10 +15,12 @@ in 2, 3, 4 (tests/predict_trace_cluster.py does the running):
 - targets: the same job on H hosts x 2 ranks (one node per namespace) on each of two links, tbf at
   1000 and 200 Mbit/s (serve: the userspace wire with a one-way delay of 1 and 4 ms), traced; the
   recording and its targets run back to back, so a slow spell of the machine hits them alike;
-- predicted: `pycoll predict --trace RECORD --hosts H --ppn 2 --link-gbit G --link-latency-us L
-  --shared-cores 2 --json`, G and L measured on that cluster before its runs (one raw TCP stream's
-  rate, half an 8-byte echo's round trip), --shared-cores because every emulated host shares this
-  machine's 2 cores (2H ranks on 2 cores, in the recording and in the target alike);
+- predicted: `pycoll predict --trace RECORD --hosts H --ppn 2 --topo-file LINK --shared-cores 2 --json`,
+  LINK declaring the net link as measured on that cluster before its runs: `gbit` (one raw TCP
+  stream's rate), `latency_us` (one pycoll message between two hosts: half an 8-byte send/recv
+  ping-pong's round trip, what the tuner's net alpha is) and `burst_kib` (the tbf's bucket, as the
+  cluster sets it; 0 on the wire); --shared-cores because every emulated host shares this machine's
+  2 cores (2H ranks on 2 cores, in the recording and in the target alike);
 - measured: the target's median step from its own trace, counted as predict counts the recording's
   (marks, the first step left out, each step the slowest rank's); the job's JSON figure is kept too.
 
@@ -124,7 +126,8 @@ def _predict(run: Dict[str, Any], record: Dict[str, Any]) -> Dict[str, Any]:
     """The prediction of target `run` from `record`'s trace with the link measured for it."""
     link = run["link"]
     try:
-        got = predict_trace(record["trace"], run["hosts"], PPN, link["gbit"], link["latency_us"], SHARED_CORES)
+        got = predict_trace(record["trace"], run["hosts"], PPN, link["gbit"], link["latency_us"], SHARED_CORES,
+                            link.get("burst_kib", 0.0))
     except Exception as e:  # a failed prediction is a result to report, not the end of the script
         return {"status": "failed", "error": str(e)[-3000:], "model": _model_version()}
     return {"status": "ok", "model": _model_version(), "step_ms": got["step_ms"],
@@ -150,8 +153,9 @@ class Book:
 
 
 def _links(c: Cluster, nbytes: int) -> Dict[str, Any]:
+    """The cluster's link as measured (predict_trace_cluster.measure_link) and its tbf bucket."""
     try:
-        return measure_link(c, nbytes)
+        return dict(measure_link(c, nbytes), burst_kib=float(c.burst_kib) if c.rate_mbit else 0.0)
     except Exception as e:
         return {"error": str(e)[-1000:]}
 
@@ -261,11 +265,54 @@ def _summary(errors: List[float]) -> str:
             f"{sum(abs(e) > GOAL_MAX for e in errors)} beyond {GOAL_MAX:.0%}")
 
 
+def _session_errors(runs: List[Dict[str, Any]], which: str) -> List[float]:
+    return [r[which]["error"] for r in runs if r["role"] == "target" and r["status"] == "ok"
+            and (r.get(which) or {}).get("status") == "ok" and r[which].get("error") is not None]
+
+
+def _job_table(name: str, job: Job, runs: List[Dict[str, Any]], records: Dict[str, Dict[str, Any]]) -> List[str]:
+    """One job's targets (and failed recordings) of one session."""
+    mine = [r for r in runs if r["job"] == name and r["role"] == "target"]
+    lines = [f"### {job.title}", ""]
+    unfit = [h for h in HOSTS if job.unfit(h)]
+    if unfit:
+        lines += [f"Not run on {', '.join(map(str, unfit))} hosts: {job.unfit(unfit[0])}.", ""]
+    show_first = any((r.get("first_prediction") or {}).get("model") != (r.get("prediction") or {}).get("model")
+                     for r in mine)
+    head = "| hosts x ranks | link | load | recorded on 1 host ms | measured ms | predicted ms | error |"
+    rule = "|---|---|---|---|---|---|---|"
+    if show_first:
+        head += " first prediction ms | its error |"
+        rule += "---|---|"
+    lines += [head, rule]
+    for r in sorted(mine, key=lambda r: (r["hosts"], r["repeat"], -r["link"].get("rate_mbit", 0),
+                                         r["link"].get("delay_ms", 0))):
+        rec = records.get(r["record_trace"], {})
+        cells = [f"{r['hosts']} x {PPN}", _link_text(r["link"]), f"{r['load'][0]:.1f}-{r['load'][1]:.1f}",
+                 f"{rec['measured_ms']:.1f}" if rec.get("status") == "ok" else "failed"]
+        p, f = r.get("prediction") or {}, r.get("first_prediction") or {}
+        if r["status"] != "ok":
+            cells += ["run failed", "—", "—"]
+        else:
+            cells += [f"{r['measured_ms']:.1f}", f"{p['step_ms']:.1f}" if p.get("status") == "ok" else "failed",
+                      _mark(p.get("error") if p.get("status") == "ok" else None)]
+        if show_first:
+            cells += [f"{f['step_ms']:.1f}", _mark(f.get("error"))] if f.get("status") == "ok" else ["—", "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [str(r["hosts"]) for r in runs if r["job"] == name and r["role"] == "record" and r["status"] != "ok"]
+    if failed:
+        lines += ["", f"Recordings that failed: on {', '.join(failed)} hosts (their targets are not predicted)."]
+    return lines + [""]
+
+
 def render(data: Dict[str, Any]) -> str:
-    """The markdown section: per job, every run; then the errors against the goal."""
+    """The markdown section: the latest session's runs job by job, its errors against the goal, then
+    each earlier session's errors (every run of every session is in the JSON)."""
     runs = data["runs"]
-    sessions = sorted({r["session"] for r in runs})
     records = {r["trace"]: r for r in runs if r["role"] == "record"}
+    order = [s["session"] for s in data.get("sessions", [])] or sorted({r["session"] for r in runs})
+    done = [s for s in order if any(r["session"] == s and r["role"] == "target" for r in runs)]
+    latest = [r for r in runs if done and r["session"] == done[-1]]
     lines = [HEADING, "",
              "Generated by `docs/make_predict_trace.py` (`sudo PYTHONPATH=. python docs/make_predict_trace.py`; "
              "the configurations are fixed in it and were committed before the first full run). Each job is "
@@ -273,65 +320,51 @@ def render(data: Dict[str, Any]) -> str:
              "(network namespaces, tests/netns_cluster.py) on two links: tbf at "
              f"{' and '.join(f'{r:g}' for r in RATES_MBIT)} Mbit/s, or for TP decoding (serve) the userspace wire with "
              f"{' and '.join(f'{d:g}' for d in DELAYS_MS)} ms one-way delay. Predicted: `pycoll predict --trace RECORD "
-             f"--hosts H --ppn {PPN} --link-gbit G --link-latency-us L --shared-cores {SHARED_CORES} --json` "
-             "with G and L "
-             "measured on that cluster before its runs (one TCP stream's rate; half an 8-byte echo's round trip). "
+             f"--hosts H --ppn {PPN} --topo-file LINK --shared-cores {SHARED_CORES} --json`, LINK declaring the net "
+             "link as measured on that cluster before its runs (`gbit`: one TCP stream's rate; `latency_us`: one "
+             "pycoll "
+             "message between two hosts, half an 8-byte send/recv round trip; `burst_kib`: the tbf's bucket). "
              "Measured: the target run's median step from its own trace, counted as the prediction counts the "
              "recording's. Every emulated host shares this machine's 2 cores: 2H ranks on 2 cores in the recording "
-             "and in the target alike. Load average: before and after each run, from other developers' jobs.", ""]
-    targets = [r for r in runs if r["role"] == "target"]
-    all_first: List[float] = []
-    all_now: List[float] = []
+             "and in the target alike. Load average: before and after each run (other developers' jobs, and the "
+             "job's own 2H ranks).", ""]
+    if done:
+        lines += [f"Session {done[-1]}:", ""]
     for name, job in JOBS.items():
-        mine = [r for r in targets if r["job"] == name]
-        recs = [r for r in runs if r["job"] == name and r["role"] == "record"]
-        if not mine and not recs:
-            continue
-        lines += [f"### {job.title}", ""]
-        unfit = [h for h in HOSTS if job.unfit(h)]
-        if unfit:
-            lines += [f"Not run on {', '.join(map(str, unfit))} hosts: {job.unfit(unfit[0])}.", ""]
-        show_first = any(r.get("first_prediction", {}).get("model") != r.get("prediction", {}).get("model")
-                         for r in mine)
-        head = "| hosts x ranks | link | load | recorded on 1 host ms | measured ms | predicted ms | error |"
-        rule = "|---|---|---|---|---|---|---|"
-        if show_first:
-            head += " first prediction ms | its error |"
-            rule += "---|---|"
-        lines += [head, rule]
-        for r in sorted(mine, key=lambda r: (r["hosts"], r["session"], r["repeat"],
-                                             -r["link"].get("rate_mbit", 0), r["link"].get("delay_ms", 0))):
-            rec = records.get(r["record_trace"], {})
-            cells = [f"{r['hosts']} x {PPN}", _link_text(r["link"]), f"{r['load'][0]:.1f}-{r['load'][1]:.1f}",
-                     f"{rec['measured_ms']:.1f}" if rec.get("status") == "ok" else "failed"]
-            p, f = r.get("prediction") or {}, r.get("first_prediction") or {}
-            if r["status"] != "ok":
-                cells += ["run failed", "—", "—"]
-            else:
-                cells += [f"{r['measured_ms']:.1f}", f"{p['step_ms']:.1f}" if p.get("status") == "ok" else "failed",
-                          _mark(p.get("error") if p.get("status") == "ok" else None)]
-            if p.get("status") == "ok" and p.get("error") is not None:
-                all_now.append(p["error"])
-            if f.get("status") == "ok" and f.get("error") is not None:
-                all_first.append(f["error"])
-            if show_first:
-                cells += [f"{f['step_ms']:.1f}", _mark(f.get("error"))] if f.get("status") == "ok" else ["—", "—"]
-            lines.append("| " + " | ".join(cells) + " |")
-        failed = [str(r["hosts"]) for r in recs if r["status"] != "ok"]
-        if failed:
-            lines += ["", f"Recordings that failed: on {', '.join(failed)} hosts (their targets are not predicted)."]
-        lines.append("")
-    models = sorted({r["prediction"]["model"] for r in targets if r.get("prediction")})
-    lines += ["### All runs", "", f"Today's model ({', '.join(models)}): {_summary(all_now)}."]
-    if any(r.get("first_prediction", {}).get("model") != r.get("prediction", {}).get("model") for r in targets):
-        lines += ["", f"The first predictions, made when each run was measured: {_summary(all_first)}."]
-    secs = [r["wall_s"] for r in runs]
-    loads = [x for r in runs for x in r["load"]]
-    lines += ["", f"_Sessions {', '.join(sessions)}: {len(runs)} runs ({len(targets)} targets, "
-              f"{sum(r['status'] != 'ok' for r in runs)} failed), {sum(secs) / 60:.0f} min of runs on this "
-              f"{os.cpu_count()}-core machine at load average {min(loads):.1f}-{max(loads):.1f} (the job's own "
-              f"2H ranks count in it); every run in docs/predict/trace-validation.json._", ""]
+        if any(r["job"] == name for r in latest):
+            lines += _job_table(name, job, latest, records)
+    now, first = _session_errors(latest, "prediction"), _session_errors(latest, "first_prediction")
+    models = sorted({r["prediction"]["model"] for r in latest if r.get("prediction")})
+    lines += ["### All runs", "", f"Session {done[-1] if done else '—'}, today's model ({', '.join(models)}): "
+              f"{_summary(now)}."]
+    if any((r.get("first_prediction") or {}).get("model") != (r.get("prediction") or {}).get("model")
+           for r in latest if r["role"] == "target"):
+        lines += ["", f"Its first predictions, made when each run was measured: {_summary(first)}."]
+    earlier = done[:-1]
+    if earlier:
+        lines += ["", "| earlier session | load | targets | first predictions (model then) | today's model on its "
+                  "recordings |", "|---|---|---|---|---|"]
+        for sess in earlier:
+            mine = [r for r in runs if r["session"] == sess]
+            loads = [x for r in mine for x in r["load"]]
+            then = sorted({(r.get("first_prediction") or {}).get("model", "?") for r in mine if r["role"] == "target"})
+            targets = sum(r["role"] == "target" for r in mine)
+            lines.append(f"| {sess} | {min(loads):.1f}-{max(loads):.1f} | {targets} | "
+                         f"{_summary(_session_errors(mine, 'first_prediction'))} ({', '.join(then)}) | "
+                         f"{_summary(_session_errors(mine, 'prediction'))} |")
+    lines += ["", *NOTES]
+    secs = [r["wall_s"] for r in latest]
+    loads = [x for r in latest for x in r["load"]]
+    if latest:
+        lines += ["", f"_Session {done[-1]}: {len(latest)} runs ({sum(r['role'] == 'target' for r in latest)} "
+                  f"targets, {sum(r['status'] != 'ok' for r in latest)} failed), {sum(secs) / 60:.0f} min of runs on "
+                  f"this {os.cpu_count()}-core machine at load average {min(loads):.1f}-{max(loads):.1f}; every run of "
+                  "every session in docs/predict/trace-validation.json._", ""]
     return "\n".join(lines)
+
+
+# What changed in the model and in the method since the first session, and why (written by hand).
+NOTES: List[str] = []
 
 
 def write_section(data: Dict[str, Any]) -> None:

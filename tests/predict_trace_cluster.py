@@ -7,7 +7,7 @@ tests/test_predict_trace_cluster.py (slow: one job, one 2-host run).
         link = measure_link(c)
         rec = run_traced(c, argv, nodes=[0, 0], ppn=2, keep=dir1)      # 4 ranks in host 0: one host
         tgt = run_traced(c, argv, nodes=[0, 1], ppn=2, keep=dir2)      # 2 hosts x 2 ranks
-        pred = predict_trace(rec["trace"], hosts=2, ppn=2, gbit=link["gbit"], latency_us=link["latency_us"])
+        pred = predict_trace(rec["trace"], 2, 2, link["gbit"], link["latency_us"], 2, c.burst_kib)
         error = pred["step_ms"] / tgt["measured_ms"] - 1
 
 A job is started as a user starts a multi-node job, `pycoll run -n PPN --nnodes N --node-rank i
@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Dict, Optional, Sequence
 
@@ -39,10 +40,34 @@ JOB_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
 
 def measure_link(cluster: Cluster, nbytes: int = 16 << 20) -> Dict[str, float]:
     """The link between hosts 0 and 1 as the model takes it: the slower direction's rate of one raw
-    TCP stream (Gbit/s) and half the median round trip of an 8-byte TCP echo (us)."""
+    TCP stream (`gbit`) and the latency of one pycoll message between the hosts (`latency_us`: half
+    the median round trip of an 8-byte send/recv ping-pong, what the tuner's net alpha is); beside
+    them `echo_us`, half an 8-byte raw TCP echo's round trip (the link and the kernel alone)."""
     rate = min(cluster.link_rate(0, 1, nbytes), cluster.link_rate(1, 0, nbytes))
     rtt = round_trip_ms(cluster, 0, 1)
-    return {"gbit": rate * 8e-9, "latency_us": rtt / 2 * 1e3, "rtt_ms": rtt}
+    env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", REPO), **JOB_ENV)
+    one_way = max(cluster.run("predict_trace_cluster:ping_pong", [0, 1], [8, 300], env=env, timeout=120))
+    return {"gbit": rate * 8e-9, "latency_us": one_way, "echo_us": rtt / 2 * 1e3}
+
+
+def ping_pong(comm: Any, nbytes: int, rounds: int) -> float:
+    """Inside the cluster (2 ranks): half the median round trip (us) of `nbytes` sent and received back
+    with comm.send / comm.recv, the first 10 rounds left out."""
+    import numpy as np
+    out, back = np.ones(max(1, nbytes // 4), dtype=np.float32), np.empty(max(1, nbytes // 4), dtype=np.float32)
+    peer = 1 - comm.rank
+    comm.barrier()
+    times = []
+    for _ in range(rounds + 10):
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            comm.send(out, peer)
+            comm.recv(back, peer)
+        else:
+            comm.recv(back, peer)
+            comm.send(out, peer)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[10:]) / 2 * 1e6
 
 
 def run_traced(cluster: Cluster, argv: Sequence[str], nodes: Sequence[int], ppn: int, keep: str,
@@ -80,14 +105,20 @@ def trace_steps(trace: str) -> Dict[str, Any]:
 
 
 def predict_trace(trace: str, hosts: int, ppn: int, gbit: float, latency_us: float, shared_cores: int,
-                  extra: Sequence[str] = (), timeout: float = 300.0) -> Dict[str, Any]:
-    """`pycoll predict --trace TRACE --hosts H --ppn P --link-gbit G --link-latency-us L --shared-cores C
-    --json`, run as a user runs it; its JSON answer."""
+                  burst_kib: float = 0.0, extra: Sequence[str] = (), timeout: float = 300.0) -> Dict[str, Any]:
+    """`pycoll predict --trace TRACE --hosts H --ppn P --topo-file T --shared-cores C --json`, run as a
+    user runs it, T declaring the net link (gbit, latency_us and, for a tbf's token bucket, burst_kib);
+    its JSON answer."""
+    fd, topo = tempfile.mkstemp(suffix=".json", prefix="pycoll-link-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"links": {"net": {"gbit": gbit, "latency_us": latency_us, "burst_kib": burst_kib}}}, fh)
     cmd = [sys.executable, "-m", "pycoll", "predict", "--trace", trace, "--hosts", str(hosts), "--ppn", str(ppn),
-           "--link-gbit", f"{gbit:.6g}", "--link-latency-us", f"{latency_us:.6g}", "--shared-cores",
-           str(shared_cores), "--json", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", REPO)))
+           "--topo-file", topo, "--shared-cores", str(shared_cores), "--json", *extra]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                              env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", REPO)))
+    finally:
+        os.unlink(topo)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-3000:]}")
     return json.loads(proc.stdout)

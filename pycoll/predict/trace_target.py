@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -32,14 +33,17 @@ from ..topology import RankInfo, Topology, load_topo_file, rack_of_rank
 from ..trace import traffic
 from ..trace.analysis import TraceError
 from ..transports.shm_board import SLOT_BYTES, STAGE_BYTES
-from ..tuner import CALL_OVERHEAD, DEFAULT, MODELED, Link, Params, Round, Tuner, round_time
-from .trace_replay import Costs, Instance, Trace, recorded_costs
+from ..tuner import CALL_OVERHEAD, DEFAULT, MODELED, WAKE, Link, Params, Round, Tuner, round_time
+from .trace_replay import Costs, Instance, Key, Timeline, Trace, recorded_costs, simulate
 
 
 @dataclass
 class ClusterSpec:
     """A cluster: each global rank's host index, cores per host, racks (per host, "" none) and their
-    uplinks, the tuner's parameters, and `shared_cores` (> 0: every rank shares that many cores)."""
+    uplinks, the tuner's parameters, `shared_cores` (> 0: every rank shares that many cores) and
+    `burst`: bytes each host's link passes at once when its token bucket is full (a rate limiter
+    such as tc's tbf or a cloud's traffic shaper: the rate holds on average, not for a burst; 0: a
+    link of constant rate)."""
 
     host_of: List[int]
     cores: List[int]
@@ -47,24 +51,51 @@ class ClusterSpec:
     racks: List[str]
     uplink_gbit: Dict[str, float]
     shared_cores: int = 0
+    burst: float = 0.0
 
-    def topology(self, group: Sequence[int]) -> Topology:
-        """The Topology of a communicator of global ranks `group` on this cluster."""
+    def topology(self, group: Sequence[int], cores: Optional[Dict[int, float]] = None) -> Topology:
+        """The Topology of a communicator of global ranks `group` on this cluster (`cores`: per host
+        index, in place of the cores its ranks report)."""
         infos = []
         for g in group:
             h = self.host_of[g]
             rack = self.racks[h] if h < len(self.racks) else ""
-            infos.append(RankInfo(host=str(h), cores=self.cores[h] if h < len(self.cores) else 0, rack=rack,
+            n = cores[h] if cores is not None else self.cores[h] if h < len(self.cores) else 0
+            infos.append(RankInfo(host=str(h), cores=n, rack=rack,  # type: ignore[arg-type]
                                   uplink_gbit=float(self.uplink_gbit.get(rack, 0.0)) if rack else 0.0))
         return Topology(infos)
 
     def sharing(self, rank: int) -> float:
         """Ranks per core where `rank` runs (at least 1)."""
+        ranks, cores = self._pool(self.host_of[rank])
+        return max(1.0, ranks / cores) if cores else 1.0
+
+    def _pool(self, host: int) -> Tuple[int, float]:
+        """(the job's ranks, cores) of the CPUs host `host`'s ranks run on: all ranks on the shared
+        cores, else the host's ranks on its own (0 cores: unknown)."""
         if self.shared_cores > 0:
-            return max(1.0, len(self.host_of) / self.shared_cores)
-        h = self.host_of[rank]
-        cores = self.cores[h] if h < len(self.cores) else 0
-        return max(1.0, self.host_of.count(h) / cores) if cores else 1.0
+            return len(self.host_of), float(self.shared_cores)
+        return self.host_of.count(host), float(self.cores[host] if host < len(self.cores) else 0)
+
+    def crowding(self, group: Sequence[int]) -> Tuple[float, float]:
+        """(ranks per core, ranks beyond the cores) where `group`'s most crowded member runs, counting
+        every rank of the job that shares its cores, not only the group's: a TP pair among 8 ranks on
+        2 cores computes and wakes up in turn with all 8 (the tuner's crowd and excess)."""
+        pools = [self._pool(self.host_of[g]) for g in group]
+        crowd = max([1.0] + [k / c for k, c in pools if c])
+        return crowd, max([0.0] + [k - c for k, c in pools if 0 < c < k])
+
+    def priced(self, group: Sequence[int]) -> Topology:
+        """`group`'s Topology for pricing: each host's cores are the share of its CPUs that the
+        group's ranks there get when every rank of the job sharing them runs (cores x the group's
+        ranks there / the job's ranks on those cores; fractional), so the tuner's per-round
+        crowding counts the whole job. (topology() keeps the cores a rank reports: the selector's view.)"""
+        on = Counter(self.host_of[g] for g in group)
+        share: Dict[int, float] = {}
+        for h, k in on.items():
+            ranks, cores = self._pool(h)
+            share[h] = cores * k / ranks if cores else 0.0
+        return self.topology(group, share)
 
 
 def base_params(topo_file: Optional[Dict[str, Any]] = None) -> Params:
@@ -139,7 +170,10 @@ def target_cluster(trace: Trace, *, hosts: Optional[int] = None, ppn: Optional[i
         if not racks[h] and spec:
             racks[h], gbit = rack_of_rank(spec, r)
             uplink[racks[h]] = gbit
-    return ClusterSpec(host_of, per_host, params, racks, uplink, shared_cores)
+    burst = float((spec.get("links", {}).get("net") or {}).get("burst_kib", 0.0)) * 1024
+    if burst < 0:
+        raise ValueError(f"{topo_file}: links.net.burst_kib must be >= 0, got {burst / 1024:g}")
+    return ClusterSpec(host_of, per_host, params, racks, uplink, shared_cores, burst)
 
 
 def _placement_file(path: str, n: int) -> List[int]:
@@ -163,21 +197,26 @@ class Pricer:
         self.trace, self.cluster = trace, cluster
         self.cache: Dict[Tuple, Tuple[Optional[float], Optional[str]]] = {}
 
-    def collective(self, inst: Instance, algo: Optional[str]) -> Tuple[Optional[float], Optional[str]]:
+    def collective(self, inst: Instance, algo: Optional[str], net_scale: float = 1.0
+                   ) -> Tuple[Optional[float], Optional[str]]:
         """(seconds, algorithm) of collective `inst` on this cluster: `algo`, or where None the
-        tuner's pick for the group's placement."""
+        tuner's pick for the group's placement; `net_scale` x the net link's seconds per byte (a
+        call that finds tokens in its links' buckets: bucket_scales)."""
         comm = self.trace.comms[inst.comm]
         topo = self.cluster.topology(comm["group"])
         e = next(iter(inst.entries.values()))
         coll = traffic.BASE.get(inst.call, inst.call)
         counts = tuple(tuple(x.get("send_counts") or ()) for x in inst.entries.values()) \
             if inst.call == "alltoallv" else ()
-        key = (inst.comm, inst.call, inst.nbytes, algo, e.get("root"), topo.layout, counts)
+        key = (inst.comm, inst.call, inst.nbytes, algo, e.get("root"), topo.layout, counts, net_scale)
         if key in self.cache:
             return self.cache[key]
+        if algo is None and net_scale != 1.0:  # the selector knows the link's rate, not its bucket
+            algo = self.collective(inst, None)[1]
         one_host = topo.nhosts == 1
         board = comm.get("board") or [SLOT_BYTES, STAGE_BYTES, True]
-        tuner = Tuner(self.cluster.params, int(board[0]) if one_host else 0, int(board[1]) if one_host else 0,
+        params = self._params(net_scale)
+        tuner = Tuner(params, int(board[0]) if one_host else 0, int(board[1]) if one_host else 0,
                       bool(board[2]) if one_host else False)
         if algo is None and coll in MODELED:
             ranked = tuner.rank(coll, inst.nbytes, topo, [a for a in MODELED[coll] if a not in NAMED_ONLY])
@@ -185,15 +224,31 @@ class Pricer:
         elif algo is None:  # (no formula: the recorded algorithm, or its fallback where no board reaches)
             algo = _ran(self.trace, inst) if one_host else traffic.ran(
                 inst.call, e.get("algorithm") or "", 0, e.get("itemsize") or 0, len(inst.members), (0, 0, False))
+        priced = self.cluster.priced(comm["group"])
         if coll in MODELED and (algo in MODELED[coll] or algo == "hierarchical"):
-            t = tuner.call_time(coll, algo, inst.nbytes, topo)
+            t = tuner.predict(coll, algo, inst.nbytes, priced)
+            if priced.size > 1:
+                t += self._overhead(comm["group"], tuner.messages(coll, algo, inst.nbytes, priced))
             out = (t if math.isfinite(t) else None, algo)
         else:
-            out = (self._pairs_time(inst, algo, topo), algo)
+            out = (self._pairs_time(inst, algo, priced, params), algo)
         self.cache[key] = out
         return out
 
-    def _pairs_time(self, inst: Instance, algo: Optional[str], topo: Topology) -> Optional[float]:
+    def _params(self, net_scale: float) -> Params:
+        params = self.cluster.params
+        return params if net_scale == 1.0 else replace(params, net=Link(params.net.alpha, params.net.beta * net_scale))
+
+    def _overhead(self, group: Sequence[int], messages: float) -> float:
+        """What a call costs beyond its messages' transfers, as Tuner.call_time charges it
+        (CALL_OVERHEAD x crowd**2, and a scheduling turn per rank beyond the cores for each message
+        latency), with the crowding of every rank of the job that shares the group's cores
+        (ClusterSpec.crowding): hosts emulated on one machine crowd their cores alike wherever
+        the job's ranks are placed."""
+        crowd, extra = self.cluster.crowding(group)
+        return CALL_OVERHEAD * crowd * crowd + WAKE * extra * messages
+
+    def _pairs_time(self, inst: Instance, algo: Optional[str], topo: Topology, params: Params) -> Optional[float]:
         """An algorithm without a tuner formula: its bytes per pair (every member's sends, as the
         traffic report counts them) as one round of messages."""
         comm = self.trace.comms[inst.comm]
@@ -208,33 +263,38 @@ class Pricer:
                 return None
             traffic._add(pairs, sent)
         if not pairs:
-            return CALL_OVERHEAD
+            return self._overhead(group, 0.0)
         per_rank: Dict[int, float] = {}
         for (a, _), (_, msgs) in pairs.items():
             per_rank[a] = per_rank.get(a, 0.0) + msgs
         rnd = Round(max(per_rank.values()), [(a, b, x) for (a, b), (x, _) in pairs.items()])
-        return round_time(rnd, topo.host_of, self.cluster.params, 1, topo.cores, topo.uplinks) + CALL_OVERHEAD
+        return round_time(rnd, topo.host_of, params, 1, topo.cores, topo.uplinks) + \
+            self._overhead(group, rnd.msgs)
 
-    def message(self, inst: Instance) -> float:
-        """One point-to-point message on its pair's link."""
+    def message(self, inst: Instance, net_scale: float = 1.0) -> float:
+        """One point-to-point message on its pair's link, and its receiver's scheduling turns where
+        ranks outnumber the cores (Tuner.call_time's WAKE)."""
         a, b = inst.members
         same = self.cluster.host_of[a] == self.cluster.host_of[b]
-        link = self.cluster.params.shm if same else self.cluster.params.net
-        return link.alpha + inst.nbytes * link.beta
+        link = self.cluster.params.shm if same else self._params(net_scale).net
+        return link.alpha + inst.nbytes * link.beta + WAKE * self.cluster.crowding([a, b])[1]
 
 
-def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Tuple[Costs, Dict[str, Any]]:
+def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec,
+             net_scale: Optional[Dict[Key, float]] = None) -> Tuple[Costs, Dict[str, Any]]:
     """The trace's costs on `target` (see the module docstring), and what was repriced: {"repriced",
-    "kept", "unmodeled": {call (algorithm): calls}, "algorithms": {"call: recorded -> target": calls}}."""
+    "kept", "unmodeled": {call (algorithm): calls}, "algorithms": {"call: recorded -> target": calls}}.
+    `net_scale`: per instance, the factor on the target link's seconds per byte (bucket_scales)."""
     costs = recorded_costs(trace)
     was, will = Pricer(trace, recorded), Pricer(trace, target)
+    scale = net_scale or {}
     info: Dict[str, Any] = {"repriced": 0, "kept": 0, "unmodeled": {}, "algorithms": {}}
     for key, inst in trace.instances.items():
         if inst.kind == "p2p":
             if _same(trace, inst.members, recorded, target):
                 info["kept"] += 1
                 continue
-            delta = will.message(inst) - was.message(inst)
+            delta = will.message(inst, scale.get(key, 1.0)) - was.message(inst)
         else:
             group = trace.comms[inst.comm]["group"]
             ran = _ran(trace, inst)
@@ -244,6 +304,8 @@ def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Tuple[
             before, _ = was.collective(inst, ran)
             moved = not _same_hosts(group, recorded, target)
             after, algo = will.collective(inst, None if moved else ran)
+            if key in scale and after is not None:
+                after, _ = will.collective(inst, algo, scale[key])
             if before is None or after is None:
                 label = f"{inst.call} ({ran})"
                 info["unmodeled"][label] = info["unmodeled"].get(label, 0) + 1
@@ -258,6 +320,45 @@ def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Tuple[
     costs.compute = {r: target.sharing(r) / recorded.sharing(r) for r in trace.ranks}
     costs.source = "recorded durations, repriced for the target where a call's placement or link changes"
     return costs, info
+
+
+def bucket_scales(trace: Trace, tl: Timeline, target: ClusterSpec, recorded: ClusterSpec) -> Dict[Key, float]:
+    """Per instance whose bytes cross hosts, the factor on the target link's seconds per byte that
+    its links' token buckets leave (1: none left out). Each host's link, each way, holds up to
+    `target.burst` bytes of tokens, refilled at the link's rate while it sends nothing: a call's
+    bytes on it (its pattern's, as the traffic report counts them: trace_links.pair_bytes) pass at
+    once up to the tokens there, the rest at the rate. Calls take the tokens in the order the
+    simulated run `tl` starts them; the call's factor is its busiest link's bytes left to the rate
+    over its bytes there."""
+    from .trace_links import pair_bytes  # (it prices calls through this module)
+    if target.burst <= 0:
+        return {}
+    will, rate = Pricer(trace, target), 1.0 / target.params.net.beta
+    calls = []
+    for key, inst in trace.instances.items():
+        pairs = pair_bytes(trace, inst, target, recorded, will) if key in tl.start else None
+        load: Dict[Tuple[int, str], float] = {}
+        for (a, b), x in (pairs or {}).items():
+            ha, hb = target.host_of[a], target.host_of[b]
+            if ha != hb:
+                load[ha, "out"] = load.get((ha, "out"), 0.0) + x
+                load[hb, "in"] = load.get((hb, "in"), 0.0) + x
+        if load:
+            calls.append((tl.start[key], key, load))
+    tokens: Dict[Tuple[int, str], float] = {}
+    idle: Dict[Tuple[int, str], float] = {}  # when each link last stopped sending at the rate
+    out: Dict[Key, float] = {}
+    for t0, key, load in sorted(calls, key=lambda c: c[0]):
+        left = {}
+        for link, nbytes in load.items():
+            held = min(target.burst, tokens.get(link, target.burst) + max(0.0, t0 - idle.get(link, t0)) * rate)
+            at_once = min(nbytes, held)
+            tokens[link], idle[link] = held - at_once, t0 + (nbytes - at_once) / rate
+            left[link] = nbytes - at_once
+        busiest = max(load, key=load.get)
+        if left[busiest] < load[busiest]:
+            out[key] = left[busiest] / load[busiest]
+    return out
 
 
 def _ran(trace: Trace, inst: Instance) -> Optional[str]:
@@ -299,6 +400,11 @@ def whatif(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Dict[str
     costs, with the recorded median step, the replay of the recording and what was repriced."""
     from .trace_replay import replay
     costs, info = retarget(trace, target, recorded)
+    if target.burst > 0:  # the buckets' tokens, taken in the order the calls run (twice: the first
+        for _ in range(2):  # pass's calls, sped up, start earlier and find fewer tokens)
+            scales = bucket_scales(trace, simulate(trace, costs), target, recorded)
+            costs, info = retarget(trace, target, recorded, scales)
+        info["bucket_calls"] = len(scales)  # calls that found tokens
     out = replay(trace, costs)
     out["mode"] = "what-if"
     out.pop("error")  # (the measured step is the recording's, on its own cluster)
@@ -308,6 +414,7 @@ def whatif(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Dict[str
     out["target"] = {"ranks": len(target.host_of), "hosts": max(target.host_of) + 1, "host_of": target.host_of,
                      "cores": target.cores, "shared_cores": target.shared_cores,
                      "net": target.params.net.describe(), "shm": target.params.shm.describe(),
+                     "burst_kib": target.burst / 1024,
                      "racks": target.racks if any(target.racks) else None}
     out["recorded"] = {"hosts": max(recorded.host_of) + 1, "host_of": recorded.host_of, "cores": recorded.cores,
                        "shared_cores": recorded.shared_cores}
