@@ -118,8 +118,9 @@ class Port:
         """What `auto` tells the peers about this port: the network its GID lies on (routes.py)."""
         link = self.link
         network, why = gid_network(self.gid, link)
-        return Advert(self.device, self.port, str(ipaddress.IPv6Address(self.gid)), self.gid_index, link,
-                      network, why)
+        addr = ipaddress.IPv6Address(self.gid)
+        shown = f"::ffff:{addr.ipv4_mapped}" if addr.ipv4_mapped is not None else str(addr)
+        return Advert(self.device, self.port, shown, self.gid_index, link, network, why)
 
 
 def _read(path: str) -> Optional[str]:

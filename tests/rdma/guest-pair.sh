@@ -37,6 +37,9 @@ if [ "${PYCOLL_RDMA_BENCH:-1}" != 0 ]; then
     [ "$node" = 0 ] && cp /tmp/pair-bench.json /out/ 2>/dev/null
     echo "== bench took $(( $(date +%s) - start )) s"
 fi
+echo "== rxe0 counters (retries and sequence errors say whether the emulated link lost packets):" \
+     "$(cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for c in *; do printf '%s=%s ' "$c" "$(cat "$c")"; done)"
+echo "== eth0: $(ip -s -o link show eth0 | tr -s ' ' | cut -c1-400)"
 echo "== memory at the end: $(free -m | awk '/^Mem:/ {print $3 " MiB used of " $2}')"
 echo "== guest-pair exit code $rc"
 exit $rc

@@ -3,8 +3,10 @@
 # this pycoll tree), print both outputs, and exit 0 only if both commands did.
 #   tests/rdma/run-vm-pair.sh                 # default: tests/rdma/guest-pair.sh (summary, tests, bench)
 #   tests/rdma/run-vm-pair.sh 'python3 -m pytest -q tests/test_verbs_hosts.py -k collective'
-# The link is a qemu socket netdev: VM 0 listens on 127.0.0.1, VM 1 connects, and the Ethernet frames
-# between them travel over this machine's loopback only. VM n has eth0 10.9.0.(n+1)/24 with rxe0 on
+# The link is a pair of qemu dgram netdevs: each VM's NIC sends its Ethernet frames as UDP datagrams
+# from its port on 127.0.0.1 to the other's, so they travel over this machine's loopback only. (A
+# socket netdev's TCP stream between the two qemus held small frames back, Nagle against delayed
+# ACKs: 8-byte round trips took 40-80 ms.) VM n has eth0 10.9.0.(n+1)/24 with rxe0 on
 # it, hostname pycoll-rdma-vm<n>, and in its command's environment PYCOLL_RDMA_PAIR="n,10.9.0.1" and
 # one PYCOLL_JOB_TOKEN shared by both. Environment as run-vm.sh's; PYCOLL_RDMA_MEM is per VM (default
 # here 2048: a VM runs at most 2 ranks), and both VMs must fit in the memory available now.
@@ -20,18 +22,19 @@ if (( avail < 2 * MEM + 512 )); then
 fi
 CMD="${1:-sh tests/rdma/guest-pair.sh}"
 TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
-PORT=$(python3 -c '
+read -r PORT0 PORT1 < <(python3 -c '
 import random, socket
 low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-for _ in range(200):  # below the ephemeral range: only ever bound on purpose
+ports = []
+while len(ports) < 2:  # UDP ports below the ephemeral range: only ever bound on purpose
     port = random.randrange(max(1024, low - 12000), low)
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             continue
-    print(port)
-    break')
+    ports.append(port)
+print(*ports)')
 for n in 0 1; do
     mkdir -p "$OUT/vm$n"
     rm -f "$OUT/vm$n/rc" "$OUT/vm$n/guest.log"
@@ -39,18 +42,17 @@ for n in 0 1; do
 done
 trap 'stop_vm "$OUT/vm0"; stop_vm "$OUT/vm1"' EXIT
 trap 'exit 143' TERM INT
-echo "run-vm-pair: booting two VMs of $MEM MiB, linked over 127.0.0.1:$PORT (output in $OUT)"
+echo "run-vm-pair: booting two VMs of $MEM MiB, linked over 127.0.0.1 UDP ports $PORT0 and $PORT1 (output in $OUT)"
 start=$(date +%s)
+link() {  # link FROM TO: frames from 127.0.0.1:FROM to 127.0.0.1:TO
+    echo "dgram,id=n0,local.type=inet,local.host=127.0.0.1,local.port=$1,remote.type=inet,remote.host=127.0.0.1,remote.port=$2"
+}
 nic() { echo "virtio-net-pci,netdev=n0,mac=52:54:00:9a:00:0$1"; }
 boot_vm "$OUT/vm0" "$MEM" "pycoll.addr=10.9.0.1/24 pycoll.name=pycoll-rdma-vm0" \
-    -netdev "socket,id=n0,listen=127.0.0.1:$PORT" -device "$(nic 1)" &
+    -netdev "$(link "$PORT0" "$PORT1")" -device "$(nic 1)" &
 vm0=$!
-for _ in $(seq 150); do  # VM 1 connects once VM 0's qemu listens
-    ss -Hltn "sport = :$PORT" | grep -q . && break
-    sleep 0.2
-done
 boot_vm "$OUT/vm1" "$MEM" "pycoll.addr=10.9.0.2/24 pycoll.name=pycoll-rdma-vm1" \
-    -netdev "socket,id=n0,connect=127.0.0.1:$PORT" -device "$(nic 2)" &
+    -netdev "$(link "$PORT1" "$PORT0")" -device "$(nic 2)" &
 vm1=$!
 set +e
 wait "$vm0"
