@@ -18,6 +18,17 @@ pair's link (alpha + bytes x beta). The recorded side is priced with the tuner's
 (or a --topo-file's "links"): a trace recorded on one host needs no net link. Compute is scaled
 per rank by its core sharing (ranks per core on its host, or over all ranks with --shared-cores)
 against the recording's (ranks per core on the machine each rank ran on).
+
+Both sides price a call with the crowding of every rank of the job that shares its cores, not of
+the call's group alone (ClusterSpec.priced, .crowding): the tuner's per-round copies and its
+per-call and per-message charges for ranks beyond the cores (CALL_OVERHEAD x crowd**2, WAKE) then
+see that hosts emulated on one machine (--shared-cores) stay as crowded on the target as in the
+recording, and that a TP pair among 8 ranks on 2 cores waits for cores like the 8.
+
+A link behind a token bucket (a topology file's links.net.burst_kib: tc's tbf, a cloud's traffic
+shaper) passes up to the bucket's bytes at once and holds its rate only on average: the replay is
+run, each call takes the tokens its links hold when it starts (bucket_scales), the calls that
+found some are repriced with the slower part of their bytes only, and the replay runs again.
 """
 from __future__ import annotations
 
