@@ -204,7 +204,8 @@ def _chaos(epochs: int, kills: int, limit: float, hosts: int = HOSTS, ppn: int =
         print(f"kill {k + 1}: rank {kill.slot} at step {kill.step} (t={kill.at:.3f}); rank 0 met the failure at "
               f"+{float(met) - kill.at:.2f} s and went on on {n - 1} ranks at +{float(t_died) - kill.at:.2f} s "
               f"(step {step}); restarted process announced itself at +{float(announced[k][6]) - kill.at:.2f} s; "
-              f"grown and healed at +{t_join - kill.at:.2f} s; first step on {n} ranks at +{first - kill.at:.2f} s")
+              f"grown and healed at +{t_join - kill.at:.2f} s (the grow and heal took {float(joined[k][4]):.2f} s); "
+              f"first step on {n} ranks at +{first - kill.at:.2f} s")
     print(f"run: {time.monotonic() - job.started:.1f} s, {kills} kills and restarts, "
           f"wire {stats}, load average {os.getloadavg()}")
 
