@@ -117,19 +117,24 @@ def test_a_node_started_later_joins_the_running_job(tmp_path: Path) -> None:
         if first.poll() is None:
             first.kill()
     assert second.returncode == 0 and first.returncode == 0, out + err + second.stdout + second.stderr
-    joined = re.findall(r"\[rank (\d)\] slot \d life 0 joined as rank (\d) of 4", second.stdout)
-    assert sorted(joined) == [("2", "2"), ("3", "3")], second.stdout
+    # together, or one grow each when they arrive steps apart: slot 2 is rank 2 of 3 or 4, slot 3 rank 3 of 4
+    joined = re.findall(r"\[rank (\d)\] slot \d life 0 joined as rank (\d) of ([34])", second.stdout)
+    assert sorted(j[:2] for j in joined) == [("2", "2"), ("3", "3")], second.stdout
     assert out.count("done on 4 ranks") == 2 and second.stdout.count("done on 4 ranks") == 2, out + second.stdout
 
 
 # -- the elastic trainer ----------------------------------------------------------------------------------
 def _trainer(tmp_path: Path, epochs: int, kill_at=None):
     """`pycoll run --elastic --max-restarts 1 -n 4 -m pycoll.trainer --elastic`; with kill_at, SIGKILL rank 2
-    when rank 0 has logged that step (rank 0 logs every step). The output, and when the kill landed."""
+    when rank 0 has logged that step (rank 0 logs every step). Rank 0 sleeps 60 ms a step (--straggler: the
+    same in both runs, no change to the numbers), so the run outlasts a restart however quiet the machine
+    (else 550 steps of ~5 ms end before a restarted Python has imported numpy). The output, and when the
+    kill landed."""
     out = tmp_path / f"trainer{kill_at}.out"
     with open(out, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pycoll", "run", "--elastic", "--max-restarts", "1", "-n", "4",
-                                 "-m", "pycoll.trainer", "--elastic", "--epochs", str(epochs), "--log-every", "1"],
+                                 "-m", "pycoll.trainer", "--elastic", "--epochs", str(epochs), "--log-every", "1",
+                                 "--straggler", "0:60"],
                                 cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
     killed = None
     try:
@@ -159,7 +164,7 @@ def test_elastic_trainer_heals_a_restarted_rank(tmp_path: Path) -> None:
     """4 ranks, rank 2 SIGKILLed at a random step and restarted by `pycoll run --elastic --max-restarts 1`:
     the run finishes on 4 ranks, bit-identical, within 0.5 points of an undisturbed run's test accuracy;
     reports the time from the kill to the first step on 4 ranks again, and the restart's own start-up."""
-    epochs = 25  # ~550 steps: a restarted rank (seconds to start on a loaded machine) is back well before the end
+    epochs = 25  # 550 steps of 60 ms or more: a restarted rank (seconds to start, loaded) is back well before the end
     kill_at = random.Random().randint(10, 30)
     clean, _ = _trainer(tmp_path, epochs)
     hit, killed = _trainer(tmp_path, epochs, kill_at)

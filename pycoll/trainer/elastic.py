@@ -1,10 +1,11 @@
-"""Elastic training (--elastic): a rank's death costs the step it happened in, not the run, and a rank
-that comes back (restarted by `pycoll run --elastic --max-restarts K`, or a new node's) rejoins.
+"""Elastic training (--elastic): a rank's death costs the time of the step it happened in, not the run,
+and a rank that comes back (restarted by `pycoll run --elastic --max-restarts K`, or a new node's) rejoins.
 
 A step whose gradient averaging fails anywhere (PeerError, RevokedError) is revoked, the survivors
-agree on it (pycoll/ft.py) and, if a rank died, shrink the communicator; every survivor then drops
-that step (no update anywhere, so their parameters stay bit-identical), the data is re-sharded over
-the new size, and training goes on.
+agree on it (pycoll/ft.py) and, if a rank died, shrink the communicator; no survivor applies it (so
+their parameters stay bit-identical), and they run the same global batch again, sharded over the
+new size, each shard's gradient weighted by its size (model.backward), so that the update is the
+global batch's mean gradient as on the full size: the run takes the same steps as an undisturbed one.
 
 The same agreement carries, from each member, the newcomers it has seen arrive (pycoll/grow.py:
 a thread waits on the store, so watching costs nothing per step), so all members learn in the same

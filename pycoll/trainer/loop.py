@@ -92,13 +92,12 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console, data: Digits)
         batches = list(global_batches(len(data.y_train), cfg.batch_size, pos.epoch, cfg.seed))
         while pos.index < len(batches):
             batch = batches[pos.index]
-            pos.index += 1
             pos.tried += 1
             step = pos.step
             if elastic is None:
                 mine = shard(batch, comm.rank, comm.size)
                 losses[step], correct[step], rows[step] = replica.step(data.x_train[mine], data.y_train[mine])
-            else:  # the batch over whoever is left; a step that failed anywhere is dropped everywhere
+            else:  # the batch over whoever is left; a step that failed anywhere is run again, over the survivors
                 replica.buckets.comm = elastic.comm  # (a report's reduction may have shrunk it too)
                 got = elastic.call(lambda c: replica.gradients(*_part(data, batch, c)), pos.tried,
                                    replica.buckets.abandon)
@@ -108,6 +107,7 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console, data: Digits)
                 replica.update(got[2])
                 losses[step], correct[step], rows[step] = got
                 seen[step] = len(np.array_split(batch, comm.size)[comm.rank])
+            pos.index += 1
             pos.step += 1
             mark_step()  # the flight recorder's step boundary (pycoll trace --traffic, predict --trace)
             if first_since_grow and comm.rank == 0:
@@ -153,7 +153,7 @@ def _train(comm: Communicator, cfg: TrainConfig, console: Console, data: Digits)
 class _Position:
     """Where a run is: what a newcomer is healed with (besides the model and the optimizer)."""
     step: int = 0   # steps that updated the model
-    tried: int = 0  # steps attempted (a dropped one counts here only)
+    tried: int = 0  # steps attempted (one that failed and ran again counts twice here)
     epoch: int = 0
     index: int = 0  # the epoch's next global batch
     first: int = 0  # `step` when the epoch began (its report's window)
@@ -179,10 +179,11 @@ def _joined(comm: Communicator, pos: _Position) -> None:
           f"{announced}), healed from rank 0", flush=True)
 
 
-def _part(data: Digits, batch: np.ndarray, comm: Communicator) -> Tuple[np.ndarray, np.ndarray]:
-    """This rank's share of a global batch over however many ranks are left (elastic: uneven shares)."""
+def _part(data: Digits, batch: np.ndarray, comm: Communicator) -> Tuple[np.ndarray, np.ndarray, float]:
+    """This rank's share of a global batch over however many ranks are left (elastic: uneven shares),
+    and its gradient's weight (model.backward): the average over the ranks is the global batch's."""
     mine = np.array_split(batch, comm.size)[comm.rank]
-    return data.x_train[mine], data.y_train[mine]
+    return data.x_train[mine], data.y_train[mine], len(mine) * comm.size / len(batch)
 
 
 def _sync(elastic: Optional[Elastic], comm: Communicator, fn: Callable[[Communicator], T], step: int) -> T:

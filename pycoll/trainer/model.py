@@ -42,16 +42,18 @@ def loss_and_correct(logits: np.ndarray, y: np.ndarray) -> Tuple[float, int]:
 
 
 def backward(params: Params, logits: np.ndarray, inputs: List[np.ndarray], y: np.ndarray,
-             grads: Params) -> Iterator[int]:
-    """Write d(mean loss)/d(param) into `grads`, last layer first, yielding each index as it is ready.
+             grads: Params, weight: float = 1.0) -> Iterator[int]:
+    """Write d(mean loss)/d(param) into `grads` (times `weight`), last layer first, yielding each index
+    as it is ready.
 
     Yielding lets the caller start communicating a layer's gradients while earlier layers are
-    still being differentiated, the way DDP's autograd hooks do.
+    still being differentiated, the way DDP's autograd hooks do. `weight`: this shard's share of the
+    global batch times the ranks, so that averaging uneven shards' gradients gives the global batch's.
     """
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
     p[np.arange(len(y)), y] -= 1.0
-    delta = p / len(y)
+    delta = p / len(y) if weight == 1.0 else p * (weight / len(y))
     for i in range(len(params) - 2, -1, -2):
         np.sum(delta, axis=0, out=grads[i + 1])
         yield i + 1

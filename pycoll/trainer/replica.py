@@ -35,9 +35,10 @@ class Replica:
         self.update(row)
         return loss, correct, row
 
-    def gradients(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int, np.ndarray]:
+    def gradients(self, x: np.ndarray, y: np.ndarray, weight: float = 1.0) -> Tuple[float, int, np.ndarray]:
         """The first part of step(): forward, backward and the averaged gradients, nothing updated
-        (elastic training applies them only once the survivors agree the step completed everywhere)."""
+        (elastic training applies them only once the survivors agree the step completed everywhere).
+        `weight`: model.backward's, for shards of uneven sizes."""
         row = np.empty(self.record_width)
         row[STEP_START] = time.perf_counter()
         if self.straggle_s:
@@ -45,7 +46,7 @@ class Replica:
         logits, inputs = forward(self.params, x)
         loss, correct = loss_and_correct(logits, y)
         self.buckets.begin()
-        for i in backward(self.params, logits, inputs, y, self.buckets.grads):
+        for i in backward(self.params, logits, inputs, y, self.buckets.grads, weight):
             self.buckets.ready(i)
         row[BACKWARD_END] = time.perf_counter()
         row[PROBE_LAUNCH:] = self.buckets.wait()
