@@ -120,6 +120,17 @@ def test_every_collective_split_over_the_vms(n):
     _assert_matrix([res for _, res in got])
 
 
+@in_pair
+@pytest.mark.timeout(1200)
+def test_auto_mixes_shm_verbs_and_tcp_in_one_job():
+    """Rank 3 (VM 1) offers no RDMA port: ranks 0 and 1 reach rank 2 over verbs and rank 3 over tcp,
+    so their calls wait on all three parts at once."""
+    got = _all_ok(vm_pair.run_split(_matrix, 4, ("allreduce", "broadcast", "allgather", "reduce_scatter"), False,
+                                    timeout=1150, rank_env={3: {"PYCOLL_IB_DISABLE": "1"}}))
+    assert [name for name, _ in got] == ["auto(shm+verbs+tcp)"] * 2 + ["auto(shm+verbs)", "auto(shm+tcp)"], got
+    _assert_matrix([res for _, res in got])
+
+
 # -- failures -------------------------------------------------------------------------------------------
 def _die_mid_transfer(comm, victim):
     """Large allreduces in a loop; `victim` kills itself (SIGKILL) in the middle of its third. The

@@ -50,9 +50,10 @@ def _child(fn: Callable, rank: int, env: Dict[str, str], args: tuple, results: A
 
 
 def run_split(fn: Callable, n: int, *args: Any, timeout: float, env: Optional[Dict[str, str]] = None,
-              node_env: Optional[Dict[int, Dict[str, str]]] = None) -> List[Tuple[bool, Any]]:
+              node_env: Optional[Dict[int, Dict[str, str]]] = None,
+              rank_env: Optional[Dict[int, Dict[str, str]]] = None) -> List[Tuple[bool, Any]]:
     """fn(comm, *args) on n ranks split over the VMs (split(n)); `node_env[node]` adds to one VM's
-    ranks' environment. Returns (ok, value or traceback) for every rank of the job, as both VMs see
+    ranks' environment, `rank_env[rank]` to one rank's. Returns (ok, value or traceback) for every rank of the job, as both VMs see
     it (values pass through JSON: tuples come back as lists)."""
     global _jobs
     where = pair()
@@ -65,8 +66,8 @@ def run_split(fn: Callable, n: int, *args: Any, timeout: float, env: Optional[Di
     mine = split(n)[node]
     server = TCPStoreServer("0.0.0.0", port, token) if node == 0 else None
     try:
-        local = _run_local(fn, n, mine, args, timeout, master, port, token,
-                           {**(env or {}), **(node_env or {}).get(node, {})})
+        envs = {r: {**(env or {}), **(node_env or {}).get(node, {}), **(rank_env or {}).get(r, {})} for r in mine}
+        local = _run_local(fn, n, mine, args, timeout, master, port, token, envs)
         return _exchange(node, local, master, port, token, timeout)
     finally:
         if server is not None:
@@ -74,13 +75,13 @@ def run_split(fn: Callable, n: int, *args: Any, timeout: float, env: Optional[Di
 
 
 def _run_local(fn: Callable, n: int, mine: List[int], args: tuple, timeout: float, master: str, port: int,
-               token: bytes, env: Dict[str, str]) -> Dict[int, Tuple[bool, Any]]:
+               token: bytes, envs: Dict[int, Dict[str, str]]) -> Dict[int, Tuple[bool, Any]]:
     results = _CTX.Queue()
     procs = {}
     for i, rank in enumerate(mine):
         rank_env = {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": str(len(mine)),
                     "MASTER_ADDR": master, "MASTER_PORT": str(port), "PYCOLL_STORE_HOSTED": "1",
-                    "PYCOLL_JOB_TOKEN": token.hex(), **env}
+                    "PYCOLL_JOB_TOKEN": token.hex(), **envs[rank]}
         procs[rank] = _CTX.Process(target=_child, args=(fn, rank, rank_env, args, results), daemon=True)
         procs[rank].start()
     got: Dict[int, Tuple[bool, Any]] = {}
