@@ -190,8 +190,10 @@ def main() -> None:
             "of its own. The shm tables put pycoll over shared memory against Open MPI's shared-memory "
             "path (and Gloo, which has only TCP); the tcp tables put pycoll over TCP against Open MPI "
             "forced over TCP and Gloo.\n\n")
+    latency = os.path.join(HERE, "benchmarks_latency.md")  # docs/make_latency.py's section, kept as it is
+    kept = open(latency).read() if os.path.exists(latency) else ""
     with open(os.path.join(HERE, "benchmarks.md"), "w") as fh:
-        fh.write(head + "\n".join(sections) + "\n" + how)
+        fh.write(head + "\n".join(sections) + "\n" + how + ("\n" + kept if kept else ""))
 
 
 if __name__ == "__main__":
