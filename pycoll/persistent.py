@@ -163,11 +163,11 @@ class Persistent(_Handle):
         super().__init__(comm, f"persistent {described} of {comm.name}", watches)
         self.collective, self._fp, self._algo = collective, fingerprint, algo
         self.mark = mark_of(collective, fingerprint) if marked else 0
-        if self.mark:
-            _MARKS[self.mark] = described
-            body = self._matched(body)
         if comm._detail:  # PYCOLL_DEBUG=DETAIL: every run compares its fingerprint first, as plain calls do
             body = debug.checked(collective, fingerprint[:4], body)
+        if self.mark:  # (around the DETAIL check too: its exchange carries the mark)
+            _MARKS[self.mark] = described
+            body = self._matched(body)
         self._body = body
         self._ch = Channel(comm.transport, comm.group, comm.rank, comm.comm_id, 0, timeout, None, comm.board,
                            comm.windows, collective, comm.name, self.mark)

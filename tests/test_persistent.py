@@ -149,7 +149,7 @@ def _mismatch(comm, against_plain):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("env", [SHM, TCP], ids=["shm", "tcp"])
+@pytest.mark.parametrize("env", [SHM, TCP, {**TCP, "PYCOLL_DEBUG": "DETAIL"}], ids=["shm", "tcp", "tcp-detail"])
 def test_mismatched_handles_name_both(env):
     results = run_ranks(_mismatch, 2, False, env=env)
     kind, text = results[0]
