@@ -65,7 +65,7 @@ def _theirs(mark: int) -> str:
     if not mark:
         return "a plain call (no persistent handle)"
     known = _MARKS.get(mark)
-    return f"a persistent handle of {known}" if known else f"a persistent handle of another call (mark {mark >> 8})"
+    return f"a persistent handle of {known}" if known else f"a persistent handle of another call (mark {mark >> MARK_SHIFT})"
 
 
 def _codes(e: BaseException) -> Optional[Tuple[int, int]]:
@@ -86,8 +86,9 @@ def _watch(name: str, obj: Any, written: bool) -> Optional[Check]:
     """A check that `obj` is still the memory the handle views (None if fine, else what changed);
     None where nothing can move it while the handle holds it. numpy: shape and dtype (numpy refuses to
     resize an array others reference, the handle included, unless told refcheck=False, which changes
-    the shape), and writability where results are written; torch: the data address too (resize_,
-    set_ and storage resizes move or free a tensor's memory whoever references it). Anything else
+    the shape), and writability where results are written; torch: the data address too (set_, and
+    resize_ where torch allows it: not once numpy shares the storage, move or free a tensor's memory
+    whoever references the tensor). Anything else
     (bytes, bytearray, memoryview, DLPack capsules) is pinned by the view the handle holds: a
     bytearray cannot be resized while exported."""
     if isinstance(obj, np.ndarray):
