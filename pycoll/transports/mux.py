@@ -107,6 +107,9 @@ class AutoTransport(Transport):
             verbs.close()
         if over_tcp:
             self._tcp = TcpTransport(self.rank, self.size, self._address, self._hosts, peers=over_tcp)
+        for part in (self._shm, self._verbs, self._tcp):  # one scratch pool for the process, under one cap
+            if part is not None:
+                part.scratch = self.scratch
         for r in over_verbs:
             self._route[r] = self._verbs
         for r in over_tcp:
