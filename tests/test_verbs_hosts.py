@@ -169,6 +169,7 @@ def test_a_rank_killed_in_one_vm_is_named_by_the_other(n):
         if _vm(rank, n) == 0 and f"rank {victim}" in message:
             assert "rxe0 here to its rxe0" in message, message
         assert took < BOUND_S, f"rank {rank} took {took:.1f} s to notice: {message}"
+        print(f"rank {rank} (VM {_vm(rank, n)}) noticed {took:.2f} s after its last call: {message}")
 
 
 def _port_down(comm):
@@ -212,6 +213,7 @@ def test_a_port_that_goes_down_mid_job_fails_the_calls_naming_the_peer_and_devic
     assert message.startswith("allreduce") and "rank 0: rank 1 died or became unreachable" in message and \
         "queue pair from rxe0 here to its rxe0 failed" in message, message
     assert got[1][0] == "PeerError", got[1]
+    print(f"VM 0's rank: {message}\nVM 1's rank: {got[1][1]}")
 
 
 # -- the pair itself (CI's RDMA stage) --------------------------------------------------------------

@@ -2,7 +2,8 @@
 # Runs inside each of the two soft-RoCE VMs (run-vm-pair.sh's default command), from a copy of the
 # pycoll tree, with PYCOLL_RDMA_PAIR="NODE,VM0_ADDRESS" and the job token shared by both VMs:
 #   1. the summary: `pycoll info` on 4 ranks, 2 per VM (which transport carries each pair);
-#   2. tests/test_verbs_hosts.py, in lockstep with the other VM (each runs its share of every job);
+#   2. tests/test_verbs_hosts.py, in lockstep with the other VM (each runs its share of every job;
+#      -rP shows what the passing failure tests measured);
 #   3. the bench: allreduce and broadcast over verbs, tcp and auto, 2 ranks, one per VM (pair_bench.py).
 # Exit code 0 only if all three did. PYCOLL_RDMA_PYTEST_ARGS adds pytest arguments (both VMs must
 # get the same); PYCOLL_RDMA_BENCH=0 skips the bench.
@@ -28,7 +29,7 @@ echo "== summary took $(( $(date +%s) - start )) s"
 echo "== tests/test_verbs_hosts.py (ranks split over both VMs)"
 start=$(date +%s)
 # shellcheck disable=SC2086
-python3 -m pytest -p no:cacheprovider -rs -v tests/test_verbs_hosts.py ${PYCOLL_RDMA_PYTEST_ARGS:-} || rc=1
+python3 -m pytest -p no:cacheprovider -rsP -v tests/test_verbs_hosts.py ${PYCOLL_RDMA_PYTEST_ARGS:-} || rc=1
 echo "== tests took $(( $(date +%s) - start )) s"
 if [ "${PYCOLL_RDMA_BENCH:-1}" != 0 ]; then
     echo "== bench: verbs, tcp and auto between the VMs, 2 ranks (one per VM), side by side"

@@ -1,7 +1,9 @@
 """One rank of the two-VM bench (tests/rdma/guest-pair.sh, under `pycoll run --nnodes 2`): the same
 collectives over verbs, tcp and auto between the VMs, side by side in one run.
 
-Every rank opens one communicator per transport (three pycoll.init()s in one process), then for
+Every rank opens one communicator per transport (pycoll.init()s in one process; verbs twice: with
+the default ACK timeout, 0.27 s per try, and with 17 ms, PYCOLL_VERBS_ACK_TIMEOUT=12, because the
+emulated link drops frames and soft-RoCE then waits out the timeout before it resends), then for
 each collective and size runs a few rounds, the transports interleaved within each round (so a
 noisy moment of the emulated machine hits them alike), and keeps each one's median round. Rank 0
 prints the table and writes it as JSON. Per call: wall time, bus bandwidth (nccl-tests' busbw),
@@ -21,8 +23,10 @@ import numpy as np
 
 import pycoll
 
-TRANSPORTS = ("verbs", "tcp", "auto")
-SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+# (label, PYCOLL_TRANSPORT, environment while it is made)
+TRANSPORTS = (("verbs", "verbs", {}), ("verbs ack 17 ms", "verbs", {"PYCOLL_VERBS_ACK_TIMEOUT": "12"}),
+              ("tcp", "tcp", {}), ("auto", "auto", {}))
+SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 4 << 20]
 BUS = {"allreduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -41,7 +45,8 @@ def own_cpu() -> float:
 
 
 def iters_for(nbytes: int) -> int:
-    return max(3, min(40, (32 << 20) // max(nbytes, 1)))
+    """Calls per round: the same on every rank (a count, not a time), fewer for large sizes."""
+    return max(1, min(20, (4 << 20) // max(nbytes, 1)))
 
 
 def measure(comm: pycoll.Communicator, coll: str, nbytes: int, iters: int) -> List[float]:
@@ -49,7 +54,7 @@ def measure(comm: pycoll.Communicator, coll: str, nbytes: int, iters: int) -> Li
     x = np.ones(max(1, nbytes // 4), np.float32)
     wrong = 0
     run = (lambda: comm.allreduce(x)) if coll == "allreduce" else (lambda: comm.broadcast(x, root=0))
-    for _ in range(2):  # warm-up (registrations, buffers)
+    for _ in range(1):  # warm-up (registrations, buffers)
         x[:] = 1
         run()
     comm.barrier()
@@ -63,30 +68,52 @@ def measure(comm: pycoll.Communicator, coll: str, nbytes: int, iters: int) -> Li
     return [t / iters, c / iters, v / iters, float(wrong)]
 
 
+def made_with(transport: str, env: Dict[str, str]) -> pycoll.Communicator:
+    """A world communicator over `transport`, made while `env` is set (the transports read it then)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return pycoll.init(transport=transport)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="rank 0 writes the rows here")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", help="comma list of the labels to run (default all: " +
+                    ", ".join(t[0] for t in TRANSPORTS) + ")")
     args = ap.parse_args()
-    comms = {t: pycoll.init(transport=t) for t in TRANSPORTS}
-    world = comms["tcp"]
+    only = args.only.split(",") if args.only else [t[0] for t in TRANSPORTS]
+    comms = {label: made_with(transport, env) for label, transport, env in TRANSPORTS if label in only}
+    world = next(iter(comms.values()))
+    labels = list(comms)
     rows = []
     for coll in BUS:
         for nbytes in SIZES:
-            samples: Dict[str, List[List[float]]] = {t: [] for t in TRANSPORTS}
+            samples: Dict[str, List[List[float]]] = {t: [] for t in labels}
             for _ in range(args.rounds):
-                for t in TRANSPORTS:
+                for t in labels:
                     samples[t].append(measure(comms[t], coll, nbytes, iters_for(nbytes)))
-            for t in TRANSPORTS:
+            for t in labels:
                 mid = sorted(samples[t], key=lambda s: s[0])[len(samples[t]) // 2]  # the median round
                 every = world.allgather(np.array(mid))  # (ranks, 4)
                 wall = float(every[:, 0].max())
-                rows.append({"collective": coll, "size": nbytes, "transport": comms[t].transport.name,
+                rows.append({"collective": coll, "size": nbytes, "transport": f"{t}: {comms[t].transport.name}",
                              "time_us": wall * 1e6,
                              "busbw_gbs": nbytes / wall * BUS[coll](world.size) / 1e9,
                              "cpu_ns_per_byte": float(every[:, 1].sum()) / nbytes * 1e9,
                              "vm_ns_per_byte": float(every[:, 2].sum()) / nbytes * 1e9,
                              "wrong": int(every[:, 3].sum())})
+                if world.rank == 0:  # as it goes: a run cut short still shows what it measured
+                    r = rows[-1]
+                    print(f"{coll} {nbytes} B over {r['transport']}: {r['time_us']:.0f} us, {r['busbw_gbs']:.4f} "
+                          f"GB/s, CPU {r['cpu_ns_per_byte']:.3g} / {r['vm_ns_per_byte']:.3g} ns/B", flush=True)
     if world.rank == 0:
         print(table(rows))
         if args.json:
