@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -175,7 +175,7 @@ def probe_pairs(topo: Topology, wire: Optional[Wire] = None) -> Dict[str, Tuple[
     return pairs
 
 
-def rdma_hosts(topo: Topology, wire: Optional[Wire]) -> frozenset:
+def rdma_hosts(topo: Topology, wire: Optional[Wire]) -> FrozenSet[Tuple[str, str]]:
     """The pairs of host ids (sorted) whose first ranks talk over verbs (Params.rdma_hosts)."""
     if wire is None:
         return frozenset()

@@ -25,7 +25,7 @@ from .verbs_device import SYS_IB, rdma_present
 
 log = logging.getLogger("pycoll.auto")
 _SLICE = 1e-3  # seconds given to one sub-transport before another gets a turn
-_TCP_TURN = 5e-3  # while only shm is awaited, the network parts still get a non-blocking turn this often
+_NET_TURN = 5e-3  # while only shm is awaited, the network parts still get a non-blocking turn this often
 
 
 class AutoTransport(Transport):
@@ -185,7 +185,7 @@ class AutoTransport(Transport):
                     t.progress()  # type: ignore[attr-defined]
                     continue
                 alone = not any(pending[o] for o in parts if o is not t)
-                turn = _TCP_TURN if alone and t is self._shm else _SLICE
+                turn = _NET_TURN if alone and t is self._shm else _SLICE
                 if t.wait_for(pending[t], min(turn, max(0.0, deadline - time.monotonic()))):
                     pending[t] = []
             if not any(pending.values()):
