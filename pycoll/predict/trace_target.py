@@ -333,18 +333,20 @@ def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec,
     return costs, info
 
 
-def bucket_scales(trace: Trace, tl: Timeline, target: ClusterSpec, recorded: ClusterSpec) -> Dict[Key, float]:
+def bucket_scales(trace: Trace, tl: Timeline, target: ClusterSpec, recorded: ClusterSpec,
+                  used: Optional[Dict[Key, float]] = None) -> Dict[Key, float]:
     """Per instance whose bytes cross hosts, the factor on the target link's seconds per byte that
     its links' token buckets leave (1: none left out). Each host's link, each way, holds up to
     `target.burst` bytes of tokens, refilled at the link's rate while it sends nothing: a call's
     bytes on it (its pattern's, as the traffic report counts them: trace_links.pair_bytes) pass at
     once up to the tokens there, the rest at the rate. Calls take the tokens in the order the
-    simulated run `tl` starts them; the call's factor is its busiest link's bytes left to the rate
-    over its bytes there."""
+    simulated run `tl` (replayed with the factors `used`) starts them, each start moved by what
+    the calls before it gained or lost at the rate against that run; a call's factor is its busiest
+    link's bytes left to the rate over its bytes there."""
     from .trace_links import pair_bytes  # (it prices calls through this module)
     if target.burst <= 0:
         return {}
-    will, rate = Pricer(trace, target), 1.0 / target.params.net.beta
+    was, will, rate = used or {}, Pricer(trace, target), 1.0 / target.params.net.beta
     calls = []
     for key, inst in trace.instances.items():
         pairs = pair_bytes(trace, inst, target, recorded, will) if key in tl.start else None
@@ -359,16 +361,19 @@ def bucket_scales(trace: Trace, tl: Timeline, target: ClusterSpec, recorded: Clu
     tokens: Dict[Tuple[int, str], float] = {}
     idle: Dict[Tuple[int, str], float] = {}  # when each link last stopped sending at the rate
     out: Dict[Key, float] = {}
-    for t0, key, load in sorted(calls, key=lambda c: c[0]):
-        left = {}
+    shift = 0.0  # how much earlier (< 0) or later the calls so far ended than in `tl`
+    for start, key, load in sorted(calls, key=lambda c: c[0]):
+        t0, left = start + shift, {}
         for link, nbytes in load.items():
             held = min(target.burst, tokens.get(link, target.burst) + max(0.0, t0 - idle.get(link, t0)) * rate)
             at_once = min(nbytes, held)
             tokens[link], idle[link] = held - at_once, t0 + (nbytes - at_once) / rate
             left[link] = nbytes - at_once
         busiest = max(load, key=load.get)
-        if left[busiest] < load[busiest]:
-            out[key] = left[busiest] / load[busiest]
+        scale = left[busiest] / load[busiest]
+        shift += (scale - was.get(key, 1.0)) * load[busiest] / rate
+        if scale < 1.0:
+            out[key] = scale
     return out
 
 
@@ -411,9 +416,10 @@ def whatif(trace: Trace, target: ClusterSpec, recorded: ClusterSpec) -> Dict[str
     costs, with the recorded median step, the replay of the recording and what was repriced."""
     from .trace_replay import replay
     costs, info = retarget(trace, target, recorded)
-    if target.burst > 0:  # the buckets' tokens, taken in the order the calls run (twice: the first
-        for _ in range(2):  # pass's calls, sped up, start earlier and find fewer tokens)
-            scales = bucket_scales(trace, simulate(trace, costs), target, recorded)
+    if target.burst > 0:  # the buckets' tokens, taken in the order the calls run (twice: the second
+        scales: Dict[Key, float] = {}  # pass starts from a run whose calls are priced with them)
+        for _ in range(2):
+            scales = bucket_scales(trace, simulate(trace, costs), target, recorded, scales)
             costs, info = retarget(trace, target, recorded, scales)
         info["bucket_calls"] = len(scales)  # calls that found tokens
     out = replay(trace, costs)
