@@ -402,8 +402,8 @@ NOTES: List[str] = [
     "The first session's recordings predicted again with the new model (its link as measured then, with the "
     "tbf's 256 KiB bucket): mean |error| 26.6% -> 23.8% (table above, model 90ef77a); the second session, "
     "recorded and run afresh with both changes: 20.0%. **The goal (mean <= 10%, max <= 20%) is missed in "
-    "both**, and most of what is left is the machine: the same configuration measured in the two sessions differs by 21% (median "
-    "over the 46 targets, up to 67%; recordings 24%, up to 68%); one configuration run eight times in a row "
+    "both**, and most of what is left is the machine: the same configuration measured in the two sessions "
+    "differs by 21% (median over the 46 targets, up to 67%; recordings 24%, up to 68%); one configuration run eight times in a row "
     "(pp 1F1B, 2 x 2, load 14-23) measured 253-475 ms. A prediction from one run of the recording checked "
     "against one run of the target cannot come closer than that noise; the lead's re-run on a quiet machine "
     "is the real test.",
