@@ -375,8 +375,8 @@ NOTES: List[str] = [
     "#### What changed after the first session, and why",
     "",
     "The first session (20261207-094011, model a436fba) described the link with `--link-gbit` and "
-    "`--link-latency-us`, the latter half a raw 8-byte TCP echo's round trip (11 us). Its errors, and probes "
-    "run beside it on 2 hosts x 2 ranks, showed two things the model had wrong (pycoll/predict/trace_target.py, "
+    "`--link-latency-us`, the latter half a raw 8-byte TCP echo's round trip (11 us). Its errors, and probes run "
+    "beside it on 2 hosts x 2 ranks, showed two things the model had wrong (pycoll/predict/trace_target.py, "
     "commit d268ab5) and one the method had wrong:",
     "",
     "1. **Crowding.** `--shared-cores` scaled compute only: a call on the target was priced as if each emulated "
@@ -384,37 +384,37 @@ NOTES: List[str] = [
     "counted 2H ranks on 2 cores. Moving a call from the recording to the target therefore took off the "
     "recording's charges for crowding (the tuner's CALL_OVERHEAD x crowd^2 and a scheduling turn per message per "
     "rank beyond the cores), though the target's ranks are exactly as crowded. Now both sides price a call with "
-    "every rank that shares its cores (also a TP pair among 8 ranks on 2 cores: the tuner counted the pair alone).",
+    "every rank that shares its cores (also a TP pair among 8 ranks on 2 cores: the tuner counted the pair "
+    "alone).",
     "2. **Token bucket.** The emulated links are tbf rate limiters with a 256 KiB bucket: a burst passes at once "
-    "and the rate holds only on average. Interleaved probe (load 17-22): a 192 KiB allreduce took 6.5 ms at "
-    "200 Mbit/s and 6.6 ms at 1000 Mbit/s, where its bytes at 193 Mbit/s need 8.1 ms; 1 MiB took 39-42 ms at "
-    "200 Mbit/s (44 ms at the rate, 33 ms with the bucket). The model priced every byte at the rate: a TP "
-    "allreduce at 200 Mbit/s 7.9 ms dearer than on shared memory, measured about as dear as at 1000 Mbit/s. A "
-    "topology file's `links.net.burst_kib` now declares a bucket: each call takes the tokens its host links hold "
-    "when it starts in the replay, refilled at the rate while the link is idle, and is priced with the rest "
-    "of its bytes only (two passes of the replay).",
+    "and the rate holds only on average. Interleaved probe (load 17-22): a 192 KiB allreduce took 6.5 ms at 200 "
+    "Mbit/s and 6.6 ms at 1000 Mbit/s, where its bytes at 193 Mbit/s need 8.1 ms; 1 MiB took 39-42 ms at 200 "
+    "Mbit/s (44 ms at the rate, 33 ms with the bucket). The model priced every byte at the rate: a TP allreduce "
+    "at 200 Mbit/s 7.9 ms dearer than on shared memory, measured about as dear as at 1000 Mbit/s. A topology "
+    "file's `links.net.burst_kib` now declares a bucket: each call takes the tokens its host links hold when it "
+    "starts in the replay, refilled at the rate while the link is idle, and is priced with the rest of its bytes "
+    "only (two passes of the replay).",
     "3. **Message latency (the method).** The tuner's net alpha is what one pycoll message between hosts costs, "
     "not the wire's latency: a pycoll send/recv ping-pong between two emulated hosts measured 133-155 us one way "
-    "at load 20 where the raw echo measured 11 us (shared memory: 48-63 us; the tuner's defaults are 120 and 40). "
-    "With 11 us a message between hosts was priced cheaper than one inside a host. From the second session the "
+    "at load 20 where the raw echo measured 11 us (shared memory: 48-63 us; the tuner's defaults are 120 and 40)."
+    " With 11 us a message between hosts was priced cheaper than one inside a host. From the second session the "
     "script measures pycoll's own latency and passes the link as a topology file (gbit, latency_us, burst_kib).",
     "",
-    "The first session's recordings predicted again with the new model (its link as measured then, with the "
-    "tbf's 256 KiB bucket): mean |error| 26.6% -> 23.8% (table above, model 90ef77a); the second session, "
-    "recorded and run afresh with both changes: 20.0%. **The goal (mean <= 10%, max <= 20%) is missed in "
-    "both**, and most of what is left is the machine: the same configuration measured in the two sessions "
-    "differs by 21% (median over the 46 targets, up to 67%; recordings 24%, up to 68%); one configuration run eight times in a row "
-    "(pp 1F1B, 2 x 2, load 14-23) measured 253-475 ms. A prediction from one run of the recording checked "
-    "against one run of the target cannot come closer than that noise; the lead's re-run on a quiet machine "
-    "is the real test.",
+    "The first session's recordings predicted again with the new model (its link as measured then, with the tbf's"
+    " 256 KiB bucket): mean |error| 26.6% -> 23.8% (table above, model 90ef77a); the second session, recorded and"
+    " run afresh with both changes: 20.0%. **The goal (mean <= 10%, max <= 20%) is missed in both**, and most of "
+    "what is left is the machine: the same configuration measured in the two sessions differs by 21% (median over"
+    " the 46 targets, up to 67%; recordings 24%, up to 68%); one configuration run eight times in a row (pp 1F1B,"
+    " 2 x 2, load 14-23) measured 253-475 ms. A prediction from one run of the recording checked against one run "
+    "of the target cannot come closer than that noise; the lead's re-run on a quiet machine is the real test.",
     "",
-    "Seen but not modelled: with ranks beyond the cores and the others computing, a rank waiting on shared "
-    "memory yields its core before it sleeps and a computing rank runs a scheduler slice in its place: a "
-    "ping-pong between two ranks of 4 on 2 cores (the other two computing) took 10-18 ms a round trip within "
-    "one host and 3-7 ms between two hosts (load 9-10), where the model has 0.3 and 0.8 ms. Jobs whose "
-    "steps wait on many small messages (pp, hybrid's TP pairs) can therefore run faster on 2 hosts than "
-    "recorded on one, as some runs above did; the tuner's WAKE charge (0.1 ms per message per rank beyond "
-    "the cores) was fitted on collectives with no rank computing.",
+    "Seen but not modelled: with ranks beyond the cores and the others computing, a rank waiting on shared memory"
+    " yields its core before it sleeps and a computing rank runs a scheduler slice in its place: a ping-pong "
+    "between two ranks of 4 on 2 cores (the other two computing) took 10-18 ms a round trip within one host and "
+    "3-7 ms between two hosts (load 9-10), where the model has 0.3 and 0.8 ms. Jobs whose steps wait on many "
+    "small messages (pp, hybrid's TP pairs) can therefore run faster on 2 hosts than recorded on one, as some "
+    "runs above did; the tuner's WAKE charge (0.1 ms per message per rank beyond the cores) was fitted on "
+    "collectives with no rank computing.",
 ]
 
 
