@@ -264,14 +264,14 @@ def _link_text(lk: Dict[str, Any]) -> str:
             f"{lk.get('gbit', 0) * 1e3:.0f} Mbit/s)")
 
 
-def _summary(errors: List[float]) -> str:
+def _summary(errors: List[float], what: str = "runs") -> str:
     if not errors:
         return "no runs"
     mean = statistics.fmean(abs(e) for e in errors)
     worst = max(abs(e) for e in errors)
     verdict = lambda v, g: "met" if v <= g else "**missed**"  # noqa: E731
     return (f"mean \\|error\\| **{mean:.1%}** (goal <= {GOAL_MEAN:.0%}: {verdict(mean, GOAL_MEAN)}), max \\|error\\| "
-            f"**{worst:.1%}** (goal <= {GOAL_MAX:.0%}: {verdict(worst, GOAL_MAX)}) over {len(errors)} runs; "
+            f"**{worst:.1%}** (goal <= {GOAL_MAX:.0%}: {verdict(worst, GOAL_MAX)}) over {len(errors)} {what}; "
             f"{sum(abs(e) > GOAL_MAX for e in errors)} beyond {GOAL_MAX:.0%}")
 
 
@@ -315,6 +315,20 @@ def _job_table(name: str, job: Job, runs: List[Dict[str, Any]], records: Dict[st
     return lines + [""]
 
 
+def _median_errors(runs: List[Dict[str, Any]]) -> Optional[List[float]]:
+    """Per configuration (job, hosts, link) with more than one repeat: the median prediction's error
+    against the median measured step; None where no configuration was repeated."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in runs:
+        if r["role"] == "target" and r["status"] == "ok" and (r.get("prediction") or {}).get("status") == "ok":
+            lk = r["link"]
+            groups.setdefault((r["job"], r["hosts"], lk.get("rate_mbit"), lk.get("delay_ms")), []).append(r)
+    if not any(len(g) > 1 for g in groups.values()):
+        return None
+    return [statistics.median(r["prediction"]["step_ms"] for r in g) / statistics.median(r["measured_ms"] for r in g)
+            - 1.0 for g in groups.values()]
+
+
 def render(data: Dict[str, Any]) -> str:
     """The markdown section: the latest session's runs job by job, its errors against the goal, then
     each earlier session's errors (every run of every session is in the JSON)."""
@@ -347,6 +361,10 @@ def render(data: Dict[str, Any]) -> str:
     models = sorted({r["prediction"]["model"] for r in latest if r.get("prediction")})
     lines += ["### All runs", "", f"Session {done[-1] if done else '—'}, today's model ({', '.join(models)}): "
               f"{_summary(now)}."]
+    medians = _median_errors(latest)
+    if medians is not None:
+        lines += ["", f"Per configuration, the median of its repeats' predictions against the median of its "
+                  f"measured runs: {_summary(medians, 'configurations')}."]
     if any((r.get("first_prediction") or {}).get("model") != (r.get("prediction") or {}).get("model")
            for r in latest if r["role"] == "target"):
         lines += ["", f"Its first predictions, made when each run was measured: {_summary(first)}."]
@@ -441,7 +459,9 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(JOBS), help=f"comma-separated jobs (default all: {','.join(JOBS)})")
     ap.add_argument("--hosts", default=",".join(map(str, HOSTS)), help="host counts (default 2,3,4)")
-    ap.add_argument("--repeats", type=int, default=1, help="recordings and targets per job and host count (default 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="recordings and targets per job and host count, taking turns (default 1; with more the "
+                         "section adds each configuration's medians)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds each run may take (default 300)")
     ap.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to it")
     ap.add_argument("--repredict", action="store_true", help="only predict the kept runs again with today's model")
