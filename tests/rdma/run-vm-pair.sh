@@ -9,11 +9,13 @@
 # ACKs: 8-byte round trips took 40-80 ms.) VM n has eth0 10.9.0.(n+1)/24 with rxe0 on
 # it, hostname pycoll-rdma-vm<n>, and in its command's environment PYCOLL_RDMA_PAIR="n,10.9.0.1" and
 # one PYCOLL_JOB_TOKEN shared by both. Environment as run-vm.sh's; PYCOLL_RDMA_MEM is per VM (default
-# here 2048: a VM runs at most 2 ranks), and both VMs must fit in the memory available now.
+# here 2048: a VM runs at most 2 ranks), and both VMs must fit in the memory available now;
+# PYCOLL_RDMA_TIMEOUT defaults to 3000 s here.
 set -euo pipefail
 source "$(dirname "$0")/vm-common.sh"
 OUT="${PYCOLL_RDMA_OUT:-$(mktemp -d /tmp/pycoll-rdma-pair.XXXXXX)}"
 MEM="${PYCOLL_RDMA_MEM:-2048}"
+export PYCOLL_RDMA_TIMEOUT="${PYCOLL_RDMA_TIMEOUT:-3000}"  # boot_vm's limit: the pair runs about 40 minutes
 avail=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo)
 if (( avail < 2 * MEM + 512 )); then
     echo "run-vm-pair: two VMs of $MEM MiB need $(( 2 * MEM + 512 )) MiB with room to spare; $avail MiB are" \
