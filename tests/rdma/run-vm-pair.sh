@@ -15,7 +15,7 @@ set -euo pipefail
 source "$(dirname "$0")/vm-common.sh"
 OUT="${PYCOLL_RDMA_OUT:-$(mktemp -d /tmp/pycoll-rdma-pair.XXXXXX)}"
 MEM="${PYCOLL_RDMA_MEM:-2048}"
-export PYCOLL_RDMA_TIMEOUT="${PYCOLL_RDMA_TIMEOUT:-3000}"  # boot_vm's limit: the pair runs about 40 minutes
+export PYCOLL_RDMA_TIMEOUT="${PYCOLL_RDMA_TIMEOUT:-3000}"  # boot_vm's limit: 16 min quiet, 40 at load 20
 avail=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo)
 if (( avail < 2 * MEM + 512 )); then
     echo "run-vm-pair: two VMs of $MEM MiB need $(( 2 * MEM + 512 )) MiB with room to spare; $avail MiB are" \
