@@ -11,21 +11,14 @@ trainer is replicated as data parallel with efficiency <= 1.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from pycoll.cli import predict as cli
 from pycoll.predict import trace_links, trace_replay, trace_sweep, trace_target
 from pycoll.trace import analysis, traffic
+from test_predict_trace import JOBS, QUICK, ROOT, record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOBS = os.path.join(ROOT, "examples", "parallel")
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "PYCOLL_JOB_TOKEN", "PYCOLL_JOB_TOKEN_FILE", "PYCOLL_TRACE_DIR", "PYCOLL_STORE_HOSTED",
-               "PYCOLL_STORE_PORT")
-QUICK = ["--steps", "4", "--warmup", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
 TRAINER_SITE = "/work/main/pycoll/trainer/buckets.py:99"
 
@@ -143,20 +136,6 @@ def test_weak_scaling_of_hand_made_dumps():
 
 
 # -- recorded jobs ------------------------------------------------------------------------------------
-def _env():
-    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-
-
-def record(folder, n, *command, timeout=170):
-    """Run `command` (after `python`) on `n` ranks with `pycoll run --trace-dir folder`; the folder."""
-    cmd = [sys.executable, "-m", "pycoll", "run", "-n", str(n), "--timeout", str(timeout - 10), "--trace-dir",
-           str(folder), sys.executable, *command]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, \
-        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return str(folder)
-
-
 def predict(capsys, *args, as_json=True):
     """(exit status, the answer (JSON, or text with as_json=False), stderr) of `pycoll predict` with `args`."""
     rc = cli.main([*args, "--json"] if as_json else list(args))
