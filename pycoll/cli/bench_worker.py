@@ -139,33 +139,26 @@ class Library:
             self.rank, self.size, self.close, self.bind = rank, size, lambda: None, floor.bind
             self.barrier = floor.bind(np.zeros(1, np.float32))
             self.transport = "a bare loop over /dev/shm"
-        elif name == "torch-pycoll":
+        elif name in ("torch-pycoll", "gloo"):  # torch.distributed on backend pycoll or gloo
             import torch
             import torch.distributed as dist
-            import pycoll.torch  # noqa: F401  (registers the backend)
+            backend = "pycoll" if name == "torch-pycoll" else "gloo"
+            if backend == "pycoll":
+                import pycoll.torch  # noqa: F401  (registers the backend)
             rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-            dist.init_process_group("pycoll", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
                                     world_size=size)
             self.rank, self.size, self.close, self.barrier = rank, size, dist.destroy_process_group, dist.barrier
             self.wrap, self.allreduce = torch.from_numpy, dist.all_reduce
-            self.transport = "dist.all_reduce, backend pycoll"
+            self.transport = "dist.all_reduce, backend pycoll" if backend == "pycoll" else "tcp"
         elif name in ("mpi", "mpi-tcp"):
             from mpi4py import MPI
             world = MPI.COMM_WORLD
             self.rank, self.size, self.close, self.barrier = world.rank, world.size, lambda: None, world.Barrier
             self.allreduce = lambda x: world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
             self.transport = "btl tcp,self" if name == "mpi-tcp" else "default btl (vader,self)"
-        elif name == "gloo":
-            import torch
-            import torch.distributed as dist
-            rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
-                                    world_size=size)
-            self.rank, self.size, self.close, self.barrier = rank, size, dist.destroy_process_group, dist.barrier
-            self.wrap, self.allreduce = torch.from_numpy, dist.all_reduce
-            self.transport = "tcp"
         else:
-            raise ValueError(f"bench worker: no library {name!r} (pycoll, mpi, mpi-tcp, gloo)")
+            raise ValueError(f"bench worker: no library {name!r} (pycoll, mpi, mpi-tcp, gloo, python-shm, torch-pycoll)")
 
 
 def first_call(lib: Library, nbytes: int) -> Tuple[np.ndarray, Callable[[], Any], int]:
