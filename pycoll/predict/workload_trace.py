@@ -48,7 +48,8 @@ def step_trace(fwd: float, opt: float, ready: Sequence[float], buckets: Sequence
     members = [AVERAGE, SLOWEST]
     instances: Dict[Tuple, Instance] = {}
     times: Dict[Tuple, Dict[int, Tuple[float, float, float]]] = {}
-    calls = [("barrier", 8, "probe", barrier)] + [("allreduce", b, a, c) for b, a, c in buckets]
+    # no bucket ready, no calls (one rank's step: compute alone)
+    calls = [("barrier", 8, "probe", barrier)] + [("allreduce", b, a, c) for b, a, c in buckets] if ready else []
     for seq, (call, nbytes, algo, secs) in enumerate(calls):
         key = ("c", COMM, seq)
         e = _entry(call, seq, nbytes, algo)
@@ -70,14 +71,14 @@ def step_trace(fwd: float, opt: float, ready: Sequence[float], buckets: Sequence
             ops.append(Op("issue", key=("c", COMM, seq + 1)))
         if backward > done:
             ops.append(Op("compute", backward - done))
-        ops += [Op("wait", key=("c", COMM, seq)) for seq in range(len(calls) if ready else 0)]
+        ops += [Op("wait", key=("c", COMM, seq)) for seq in range(len(calls))]
         ops += [Op("compute", opt), Op("mark", step=1)]
         programs[m] = ops
     comms = {COMM: {"name": "world", "group": list(members), "hosts": None, "board": None}}
     trace = Trace("workload", None, list(members), {m: "host" for m in members}, {m: "host" for m in members},
-                  comms, instances if ready else {}, programs, {m: 0.0 for m in members}, True, [1],
+                  comms, instances, programs, {m: 0.0 for m in members}, True, [1],
                   {1: {m: 0.0 for m in members}})
-    return trace, Costs(times if ready else {}, {m: 1.0 for m in members}, "the tuner's prices")
+    return trace, Costs(times, {m: 1.0 for m in members}, "the tuner's prices")
 
 
 def simulate_step(fwd: float, opt: float, ready: Sequence[float], buckets: Sequence[Tuple[int, str, float]],
