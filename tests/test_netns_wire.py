@@ -51,6 +51,7 @@ def test_delay_adds_two_one_way_delays_to_a_round_trip():
     with Cluster(2, delay_ms=3.0) as c:
         delayed = _rtt_ms(c)
         assert c.wire.stats["packets"] > 100, c.wire.stats
+        assert c.wire.stats["realtime"], "the wire runs ahead of the ranks (SCHED_FIFO, as root)"
     # 3 ms each way: a round trip of 6 ms over the wire's own, with room for a loaded machine's wake-ups
     assert base < 1.0, f"round trip without the wire {base:.3f} ms"
     assert 6.0 <= delayed < 6.0 + base + 3.0, f"round trip with 3 ms one way {delayed:.2f} ms (without: {base:.3f})"
