@@ -352,8 +352,9 @@ def render(data: Dict[str, Any]) -> str:
              "recording's. Every emulated host shares this machine's 2 cores: 2H ranks on 2 cores in the recording "
              "and in the target alike. Load average: before and after each run (other developers' jobs, and the "
              "job's own 2H ranks).", ""]
+    notes = data.get("notes", {})  # what happened to a session's runs, by session (written by hand)
     if done:
-        lines += [f"Session {done[-1]}:", ""]
+        lines += [f"Session {done[-1]}" + (f" ({notes[done[-1]]})" if done[-1] in notes else "") + ":", ""]
     for name, job in JOBS.items():
         if any(r["job"] == name for r in latest):
             lines += _job_table(name, job, latest, records)
@@ -380,6 +381,7 @@ def render(data: Dict[str, Any]) -> str:
             lines.append(f"| {sess} | {min(loads):.1f}-{max(loads):.1f} | {targets} | "
                          f"{_summary(_session_errors(mine, 'first_prediction'))} ({', '.join(then)}) | "
                          f"{_summary(_session_errors(mine, 'prediction'))} |")
+        lines += [f"\nSession {sess}: {notes[sess]}." for sess in earlier if sess in notes]
     lines += ["", *NOTES]
     secs = [r["wall_s"] for r in latest]
     loads = [x for r in latest for x in r["load"]]
