@@ -2,9 +2,9 @@
 measured with real packets, and a multi-node `pycoll run` job launched across the hosts."""
 import json
 import os
-import threading
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
