@@ -43,7 +43,9 @@ STAGE_LANES = 2
 STAGE_BYTES = 2 << 20  # fewer, larger blocks: with ranks sharing cores each synchronisation costs switches
 BOARD_CTRL = 4096
 PAGE = 4096         # a post starts at its data's offset within a page of this size ...
-PAGE_FROM = 16 << 10  # ... from this many bytes on (below, at 0: the copy is short, and reading the address costs 1 us)
+PAGE_FROM = SLOT_BYTES + 1  # ... from this many bytes on: below (every post that fits a slot) it starts at 0,
+                    # as the copy is short and reading the address costs 1 us; and a persistent handle's posts
+                    # are then prepared once (prepare()): 16 KiB allreduce on 2 ranks, handle 18.0 -> 12.0 us
 SLOT_STRIDE = SLOT_BYTES + PAGE
 STAGE_STRIDE = STAGE_BYTES + PAGE
 STAGE_AT = BOARD_CTRL + LANES * DEPTH * SLOT_STRIDE
