@@ -179,8 +179,9 @@ _VARS = [
         "`1`: single-host ranks may copy straight between each other's memory (process_vm_readv/writev, "
         "as Open MPI's CMA) where the kernel allows it; `0`: never (large allreduces run two-shot)"),
     Var("PYCOLL_TCP_BULK_THRESHOLD", size(0, unlimited=True), "128K",
-        "tcp payloads of this size and more to other ranks travel on a raw stream per pair, read "
-        "straight into the posted buffer; smaller ones ride zmq (`inf`: all do)"),
+        "tcp payloads of this size and more to other ranks are announced on the raw stream of each pair and "
+        "read straight into the posted buffer, parked unread until their receive is posted; smaller ones travel "
+        "as frames on that stream too, read as they come (`inf`: every message rides zmq)"),
     Var("PYCOLL_NSOCKS", auto_or(integer(1, 16)), "auto",
         "tcp bulk streams per pair of ranks, large payloads cut over them (NCCL_NSOCKS_PERTHREAD), for "
         "networks that cap each flow below the link rate. `auto`: 4 to ranks on other hosts, 1 on this "
@@ -198,7 +199,8 @@ _VARS = [
         "4 KiB pages but the last): smaller "
         "payloads go whole, each on the next stream in turn"),
     Var("PYCOLL_TCP_COPY_THRESHOLD", size(0), "64K",
-        "tcp payloads on zmq of this size and more are sent zero-copy; smaller ones are copied"),
+        "tcp payloads below PYCOLL_TCP_BULK_THRESHOLD of this size and more are written from the user's buffer "
+        "(the send completes once the kernel has them); smaller ones are copied into their frame"),
     Var("PYCOLL_TCP_IO_THREADS", integer(1), "1", "zmq I/O threads per rank"),
     Var("PYCOLL_TCP_SOCKET_BUFFER", size(0), "0",
         "SO_SNDBUF and SO_RCVBUF of tcp sockets (zmq and bulk streams); `0`: kernel autotuning"),
@@ -207,9 +209,12 @@ _VARS = [
         "data queued past the window leaves from the peer's CPU when its ACK comes and overtakes what "
         "waits on ours; a small buffer avoids that reordering"),
     Var("PYCOLL_TCP_EAGER_WINDOW", size(0), "4M",
-        "bytes' worth of small (zmq) messages a tcp sender may have unconsumed at each peer (a message "
-        "counts at least 8.5 KiB; `0`: unbounded). Sends past it wait for the receiver to hand credit "
+        "bytes' worth of small messages (below PYCOLL_TCP_BULK_THRESHOLD) a tcp sender may have unconsumed "
+        "at each peer (a message counts at least 8.5 KiB; `0`: unbounded). Sends past it wait for the receiver to hand credit "
         "back, so a rank running ahead cannot fill its peers' memory"),
+    Var("PYCOLL_TCP_SPIN_US", integer(0), "50",
+        "microseconds a tcp waiter polls its sockets without sleeping (yielding the CPU between polls) "
+        "before it blocks: a reply that comes within it is seen without a wake-up; `0`: block at once"),
     Var("PYCOLL_TCP_HEARTBEAT", number(positive=False), "0",
         "seconds of silence after which a tcp peer counts as dead (zmq heartbeats, sent every quarter "
         "of it): how ranks cut off by a network partition, or frozen, are noticed; `0`: off (a dead process "

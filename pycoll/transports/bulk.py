@@ -1,15 +1,19 @@
-"""Raw TCP streams beside zmq for large payloads, read straight into the posted buffer.
+"""Raw TCP streams per pair of ranks: the frames of their messages, and large payloads read in place.
 
-zmq hands every received message over in a freshly allocated frame, so a large message costs a
-page-faulting allocation plus a copy into the user's buffer. Here each pair of ranks shares one
-or more authenticated, nonblocking TCP streams (one, as Gloo's pairs; several, as NCCL's
-NCCL_NSOCKS_PERTHREAD, where the network caps each flow below the link): payloads are written from
-the user's buffer and read with recv_into into the user's buffer (or a reused scratch buffer), with
-only the kernel's copy each way. The streams carry payload bytes only; what they belong to is
-announced, in order, on the zmq channel, so matching stays in one place (tcp.py). A payload goes
-in parts, each on one stream (its Layout, which the announcement carries): a part starts at a
-known offset of the payload, so the receiver reads it straight to its place, and each stream
-stays FIFO: the parts on it come in the order of the announcements.
+zmq hands every received message over in a freshly allocated frame, after two thread hand-offs
+(its I/O threads), so a small message costs wake-ups and a large one a page-faulting allocation
+plus a copy. Here each pair of ranks shares one or more authenticated, nonblocking TCP streams
+(one, as Gloo's pairs; several, as NCCL's NCCL_NSOCKS_PERTHREAD, where the network caps each flow
+below the link). With frames on (the transport's on_frame), stream 0 carries every message between
+the two in order: a frame is a wire header, then a data payload, or (KIND_BULK) the cut of a
+payload that follows in parts, each on one stream of the pair (its Layout): a part starts at a
+known offset of the payload, so the receiver reads it straight to its place, and each stream stays
+FIFO: the parts on it come in the order of the announcements. Stream 0 is read whenever frames come
+(read ahead into a small buffer, several frames per recv; a frame cut by a read waits for the rest),
+up to a payload nobody has claimed yet, which holds the stream until it is claimed (read into the
+posted buffer, with only the kernel's copy) or read aside. Writes go straight into the socket from
+the sending thread when nothing waits before them, else queue and are flushed by whichever thread
+drives. Matching stays in one place (tcp.py).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ _CHUNK = 1 << 22  # bytes per send/recv call: keeps one peer from starving the o
 STREAM_CHUNK = 1 << 19  # a consumed payload is handed over in pieces this big, while still in cache
 _ALIGN = 16  # pieces start at multiples of every dtype's itemsize
 _PART_ALIGN = 1 << 12  # parts of a striped payload start at multiples of this (so of _ALIGN)
+_FRAME_BUF = 1 << 16  # bytes stream 0 reads ahead per recv while frames are next (several small ones at once)
+_LAYOUT_SIZE = wire.HEADER.size + wire.LAYOUT.size  # a bulk announcement: header, then its cut
 
 
 def same_host(sock: socket.socket) -> bool:
@@ -85,6 +91,10 @@ class Layout(NamedTuple):
 
 
 ONE_STREAM = Layout(1, 0, 1)
+OnFrame = Callable[[int, wire.Header, Optional[Layout], Optional[memoryview]], None]
+"""on_frame(peer, header, layout, payload): a frame came on the peer's stream 0. A bulk announcement
+has its `layout`; a data frame whose payload was read with it has `payload` (valid during the call
+only), else the payload is next on the stream and on_frame must expect() it, claimed."""
 
 
 def split(nbytes: int, parts: int) -> List[Tuple[int, int]]:
@@ -113,11 +123,26 @@ class Outgoing:
             self.on_done(error)
 
 
+_FRAME = Outgoing(memoryview(b""), lambda error: None)  # what a queued frame (or header) belongs to: nothing to finish
+
+
 class _OutPart:
     __slots__ = ("payload", "view", "sent")
 
     def __init__(self, payload: Outgoing, view: memoryview) -> None:
         self.payload, self.view, self.sent = payload, view, 0
+
+
+class _Frames:
+    """Read state of a pair's stream 0 where frames travel: bytes read ahead, `start`..`end` of `view`
+    not yet used (a frame's start, or the first bytes of the payload being read)."""
+
+    __slots__ = ("view", "start", "end", "drained")
+
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(_FRAME_BUF))
+        self.start = self.end = 0
+        self.drained = False  # the last recv got less than it asked for: the kernel had no more then
 
 
 Consume = Callable[[memoryview, int], None]  # (piece, byte offset of the piece in the payload)
@@ -175,12 +200,23 @@ def _part_done(queue: Deque[Any]) -> None:
             payload._finish(None)
 
 
+def _recv(sock: socket.socket, frames: Optional[_Frames], into: memoryview, want: int) -> int:
+    """recv_into, taking the bytes stream 0 read ahead (`frames`) first."""
+    if frames is not None and frames.end > frames.start:
+        n = min(want, frames.end - frames.start)
+        into[:n] = frames.view[frames.start:frames.start + n]
+        frames.start += n
+        return n
+    return sock.recv_into(into, want)
+
+
 def _take_queued(queues: List[Any]) -> List[Any]:
     """Empty a peer's stream queues; the messages their parts belonged to, each once."""
     pending: Dict[int, Any] = {}
     for queue in queues:
         for part in queue:
-            pending[id(part.payload)] = part.payload
+            if part.payload is not _FRAME:
+                pending[id(part.payload)] = part.payload
         queue.clear()
     return list(pending.values())
 
@@ -190,15 +226,23 @@ class BulkLinks:
 
     def __init__(self, rank: int, size: int, address: str, buffer_bytes: int = 0, local_sndbuf: int = 0,
                  on_broken: Callable[[int, str], None] = lambda peer, why: None, stripe_min: int = 1 << 19,
-                 congestion: str = "system") -> None:
+                 congestion: str = "system", on_frame: Optional[OnFrame] = None,
+                 on_end: Callable[[int], None] = lambda peer: None) -> None:
         """`buffer_bytes`: SO_SNDBUF and SO_RCVBUF of every stream (0: autotuning); `local_sndbuf`:
         SO_SNDBUF of the streams to ranks on this host, when `buffer_bytes` is 0 (0: autotuning);
         `on_broken(peer, why)` runs when a peer's stream breaks (nothing new may use it);
         `stripe_min`: the smallest part a payload is cut into over several streams; `congestion`:
-        PYCOLL_TCP_CC for the streams to other hosts (apply_congestion)."""
+        PYCOLL_TCP_CC for the streams to other hosts (apply_congestion). With `on_frame`, stream 0
+        of every pair carries frames (send_frame, and send's `head`), read whenever they come and
+        handed to on_frame(peer, header, layout, payload) (see read); `on_end(peer)` runs when a
+        peer's stream 0 ends (closed at a frame's end, or broken)."""
         self.rank, self.size, self._buffer_bytes, self._local_sndbuf = rank, size, buffer_bytes, local_sndbuf
         self._congestion = congestion
         self._on_broken = on_broken
+        self._on_frame, self._on_end = on_frame, on_end
+        self._frames: Dict[int, _Frames] = {}  # peer -> its stream 0's read state (with on_frame)
+        self.ended: Set[int] = set()  # peers whose stream 0 ended: not read any more
+        self.buffered: Set[int] = set()  # peers whose stream 0 stopped at an unclaimed payload with bytes read ahead
         self._stripe_min = max(1, stripe_min)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((address, 0))
@@ -307,6 +351,8 @@ class BulkLinks:
         socks = self.socks.setdefault(peer, [])
         assert index == len(socks), "streams are adopted in index order"
         socks.append(sock)
+        if index == 0 and self._on_frame is not None:
+            self._frames[peer] = _Frames()
         self._out.setdefault(peer, []).append(deque())
         self._in.setdefault(peer, []).append(deque())
         self._out_locks.setdefault(peer, threading.RLock())
@@ -336,22 +382,46 @@ class BulkLinks:
         self._next[peer] = (first + parts) % width
         return Layout(parts, first, width)
 
-    def send(self, peer: int, item: Outgoing, layout: Layout = ONE_STREAM) -> bool:
-        """Queue a payload in the parts of `layout` and write what the kernel takes now; True if
-        some of it is still queued."""
+    def send(self, peer: int, item: Outgoing, layout: Layout = ONE_STREAM, head: bytes = b"") -> bool:
+        """Queue a payload in the parts of `layout`, behind `head` (its frame header) on stream 0, and
+        write what the kernel takes now; True if some of it is still queued."""
         with self._out_locks[peer]:
             queues = self._out[peer]
             if peer in self.closed_by:  # a stream of this peer broke: fail at once, whatever is queued
                 item._finish(PeerError(f"rank {self.rank}: rank {peer} {self.closed_by[peer]}", peer))
                 return False
+            idle = [not q for q in queues]
+            if head:
+                queues[0].append(_OutPart(_FRAME, memoryview(head)))
             cuts = split(item.view.nbytes, layout.parts)
             item.left = len(cuts)
             for stream, (offset, length) in zip(layout.streams(), cuts):
                 queues[stream].append(_OutPart(item, item.view[offset:offset + length]))
-            for stream in set(layout.streams()):
-                if len(queues[stream]) and queues[stream][0].payload is item:
+            for stream, was_idle in enumerate(idle):
+                if was_idle and queues[stream]:  # (a busy stream waits on the poller: writing would not help)
                     self._write(peer, stream)
             return any(queues)
+
+    def send_frame(self, peer: int, frame: bytes) -> bool:
+        """Write a whole frame (header and copied payload) on the peer's stream 0, queued behind what
+        waits there, or straight into the socket if nothing does; True if some of it is still queued.
+        A broken stream takes nothing (the caller checks closed_by first)."""
+        with self._out_locks[peer]:
+            queue = self._out[peer][0]
+            if not queue:
+                try:
+                    n = self.socks[peer][0].send(frame)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as e:
+                    self._broke(peer, f"its bulk stream broke while sending ({e})")
+                    self._fail_out(peer, PeerError(f"rank {self.rank}: rank {peer} {self.closed_by[peer]}", peer))
+                    return False
+                if n == len(frame):
+                    return False
+                frame = memoryview(frame)[n:]
+            queue.append(_OutPart(_FRAME, memoryview(frame)))
+            return True
 
     def flush(self, peer: int, stream: int) -> None:
         """Write what the kernel takes of one stream's queue (it polled writable)."""
@@ -390,8 +460,17 @@ class BulkLinks:
             queues[stream].append(_InPart(item, offset, length))
 
     def wants_read(self, peer: int, stream: int) -> bool:
+        """Whether the stream has something to read now: a claimed payload's part, or (stream 0 with
+        frames) the next frame."""
         queue = self._in[peer][stream]
-        return bool(queue) and queue[0].payload.claimed
+        if queue:
+            return queue[0].payload.claimed
+        return stream == 0 and peer in self._frames and peer not in self.closed_by and peer not in self.ended
+
+    def blocked(self, peer: int) -> bool:
+        """Whether the peer's frames wait behind an unclaimed payload at the head of its stream 0."""
+        queue = self._in[peer][0] if peer in self._frames and peer in self.socks else None
+        return bool(queue) and not queue[0].payload.claimed
 
     def unclaimed_heads(self) -> List[Incoming]:
         """Payloads with a part at the head of its stream that nobody has claimed yet (io lock held)."""
@@ -403,37 +482,132 @@ class BulkLinks:
         return list(heads.values())
 
     def read(self, peer: int, stream: int) -> None:
-        """Read what has arrived on one stream into the announced payloads' parts, in order (io lock held)."""
+        """Read what has arrived on one stream, in order, into the announced payloads' parts and, on
+        stream 0 with frames, frame after frame between them, until the kernel has no more, a
+        payload nobody has claimed is next, or the stream ends (io lock held)."""
         sock, queue = self.socks[peer][stream], self._in[peer][stream]
-        while queue and queue[0].payload.claimed:
+        frames = self._frames.get(peer) if stream == 0 else None
+        if frames is not None:
+            frames.drained = False
+        while True:
+            if not queue:
+                if frames is None or not self._frame(peer, sock, frames):
+                    return
+                continue
             part = queue[0]
+            if not part.payload.claimed:
+                if frames is not None and frames.end > frames.start:
+                    self.buffered.add(peer)  # its claim must read on without a poll saying so
+                return
             try:
-                n = self._read_into(peer, stream, sock, part)
+                n = self._read_into(peer, stream, sock, part, frames)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 self.fail(peer, f"its bulk stream broke while receiving ({e})")
+                self._ended(peer, stream)
                 return
             if n == 0 and part.got < part.nbytes:
                 self.fail(peer, "its bulk stream closed in the middle of a message")
+                self._ended(peer, stream)
                 return
             if part.got == part.nbytes:
                 _part_done(queue)
 
-    def _read_into(self, peer: int, stream: int, sock: socket.socket, part: _InPart) -> int:
-        """One recv for `part`; a consumed payload is handed over in aligned pieces as they fill."""
+    def _frame(self, peer: int, sock: socket.socket, frames: _Frames) -> bool:
+        """Take the next frame off stream 0 and hand it to on_frame, reading more when it is not all
+        here; False when that must wait (nothing more in the kernel) or the stream is done for."""
+        start, have = frames.start, frames.end - frames.start
+        view = frames.view
+        try:
+            if have < wire.HEADER.size:
+                return self._fill(peer, sock, frames)
+            header = wire.unpack_header_from(view, start)
+            kind, nbytes = header.kind, header.nbytes
+            layout: Optional[Layout] = None
+            if kind == wire.KIND_DATA:
+                if have - wire.HEADER.size >= nbytes:  # the payload came with it: straight to the receive
+                    frames.start = start + wire.HEADER.size + nbytes
+                    self._on_frame(peer, header, None, view[start + wire.HEADER.size:frames.start])
+                    return peer not in self.closed_by
+                frames.start = start + wire.HEADER.size
+            elif kind == wire.KIND_BULK:
+                if have < _LAYOUT_SIZE:
+                    return self._fill(peer, sock, frames)
+                layout = Layout(*wire.LAYOUT.unpack_from(view, start + wire.HEADER.size))
+                frames.start = start + _LAYOUT_SIZE
+            elif kind == wire.KIND_BYE:
+                frames.start = start + wire.HEADER.size
+            else:
+                raise ValueError(f"a frame of kind {kind} has no place on a stream")
+        except ValueError as e:  # out of step (or a stranger's bytes): nothing after it can be placed
+            self.rejected += 1
+            self.fail(peer, f"sent what is not a frame on its stream ({e})")
+            self._ended(peer, 0)
+            return False
+        self._on_frame(peer, header, layout, None)
+        return peer not in self.closed_by
+
+    def _fill(self, peer: int, sock: socket.socket, frames: _Frames) -> bool:
+        """Read more of stream 0 behind the bytes kept (moved to the front first); False if nothing
+        came (the stream ended or broke, or nothing is there yet)."""
+        if frames.drained:  # a recv now would most likely find nothing (costly: it raises); the poll tells
+            return False
+        start, end, view = frames.start, frames.end, frames.view
+        if start:
+            view[:end - start] = view[start:end]
+            frames.start, frames.end = 0, end - start
+        try:
+            n = sock.recv_into(view[frames.end:], _FRAME_BUF - frames.end)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            self.fail(peer, f"its bulk stream broke while receiving ({e})")
+            self._ended(peer, 0)
+            return False
+        if n == 0:
+            if frames.end:  # a partial frame: the sender died, or its stream was cut, in the middle
+                self.fail(peer, "its bulk stream closed in the middle of a message")
+            self._ended(peer, 0)
+            return False
+        frames.end += n
+        frames.drained = frames.end < _FRAME_BUF
+        return True
+
+    def _ended(self, peer: int, stream: int) -> None:
+        """The peer's stream 0 ended (or broke): it is not polled any more, and on_end hears of it."""
+        if stream == 0 and peer in self._frames and peer not in self.ended:
+            self.ended.add(peer)
+            self._on_end(peer)
+
+    def read_buffered(self) -> bool:
+        """Read on where a stream 0 stopped at an unclaimed payload with bytes already read ahead that
+        has since been claimed (no poll would report it); True if any was (io lock held)."""
+        went = False
+        for peer in list(self.buffered):
+            if not self.blocked(peer):
+                self.buffered.discard(peer)
+                if peer in self.socks:
+                    self.read(peer, 0)
+                    went = True
+        return went
+
+    def _read_into(self, peer: int, stream: int, sock: socket.socket, part: _InPart,
+                   frames: Optional[_Frames] = None) -> int:
+        """One recv for `part` (from the bytes stream 0 read ahead first); a consumed payload is handed
+        over in aligned pieces as they fill."""
         item = part.payload
         if item.consume is None:
             want = min(part.nbytes - part.got, _CHUNK)
             at = part.offset + part.got
-            n = sock.recv_into(item.target[at:at + want], want) if want else 0
+            n = _recv(sock, frames, item.target[at:at + want], want) if want else 0
             part.got += n
             return n
         buf = self._pieces.get((peer, stream))
         if buf is None:
             buf = self._pieces[(peer, stream)] = memoryview(bytearray(STREAM_CHUNK + _ALIGN))
         room = min(STREAM_CHUNK + _ALIGN - part.fill, part.nbytes - part.got - part.fill)
-        n = sock.recv_into(buf[part.fill:part.fill + room], room) if room else 0
+        n = _recv(sock, frames, buf[part.fill:part.fill + room], room) if room else 0
         part.fill += n
         last = part.got + part.fill == part.nbytes
         if last or part.fill >= STREAM_CHUNK:
@@ -461,6 +635,9 @@ class BulkLinks:
         for index, sock in enumerate(self.socks.pop(peer)):
             sock.close()
             self._pieces.pop((peer, index), None)
+        self._frames.pop(peer, None)
+        self.buffered.discard(peer)
+        self.ended.add(peer)
         with self._out_locks[peer]:
             self._out[peer], self._in[peer] = [], []
         self.stripes.pop(peer, None)

@@ -1,11 +1,20 @@
-"""TCP transport on pyzmq: one ROUTER per rank for everything inbound, one DEALER per peer outbound.
+"""TCP transport: one raw stream per pair of ranks carries their messages; pyzmq the rest.
 
-Payloads of PYCOLL_TCP_BULK_THRESHOLD bytes and more to other ranks are announced on zmq and
-travel on raw streams per pair (bulk.py), read straight into the posted buffer; smaller ones
-ride zmq. Between hosts a pair may hold several streams (PYCOLL_NSOCKS) and cut large payloads
-over them, for networks that cap each flow below the link rate. Whichever thread waits drives all
-sockets (leader/follower), so a single-threaded job pays no thread hand-off per message. What a
-peer may have sent us unconsumed is bounded: zmq messages by credit flow control (flow.py,
+Every message to another rank rides the pair's stream 0 (bulk.py) in one ordered byte stream, so
+MPI's non-overtaking rule holds across sizes: a data frame [wire header][payload] below
+PYCOLL_TCP_BULK_THRESHOLD, written by the sending thread straight into the socket (copied into one
+write if small) and read by whichever thread waits, straight into the posted receive when there is
+one; a bulk announcement [header][cut] whose payload follows on the pair's streams as the cut says
+(between hosts a pair may hold several streams, PYCOLL_NSOCKS, for networks that cap each flow) and
+is read straight into the posted buffer, or parked unread until its receive is posted (read aside
+after PARK_AFTER s, or at once where it holds up frames a posted receive may wait on). The goodbye
+(BYE) is the last frame. zmq (one ROUTER per rank in, one DEALER per peer out) carries the hellos,
+credit, and messages to oneself; with PYCOLL_TCP_BULK_THRESHOLD=inf it carries every message.
+Frames cost the sender one syscall and the receiver one read, with no thread hand-off: through zmq
+each message crossed its I/O threads (8 B ping-pong between two processes on this 2-core VM:
+50-93 us round trip through zmq against 19-23 us on a raw socket, load 3). Whichever thread waits
+drives all sockets (leader/follower), polling them for PYCOLL_TCP_SPIN_US before it blocks. What a
+peer may have sent us unconsumed is bounded: data frames by credit flow control (flow.py,
 PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by their streams (they wait on them, unread,
 until claimed or parked).
 """
@@ -13,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
@@ -34,10 +43,12 @@ from .capabilities import SinkReceive, Striping
 from .flow import Credits
 from .matching import Match, Matcher, fail
 from .bulk import ONE_STREAM, BulkLinks, Incoming, Layout, Outgoing
+from .request import ANY
 
 log = logging.getLogger("pycoll.tcp")
 
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
+# (at once where it holds up frames that a posted receive may wait on: see _park_stalled)
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
@@ -45,7 +56,7 @@ _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
 AUTO_STREAMS = 4  # streams PYCOLL_NSOCKS=auto opens to each rank on another host (the tuner picks how many to use)
-_LAYOUT = struct.Struct("<HHH")  # a striped bulk announcement's second frame: parts, first stream, width
+_BYE = wire.pack_header(wire.KIND_BYE, 0, 0, 0, 0, 0)
 
 # zmq's flags as plain ints: the hot path pays for every IntFlag | and & (an enum object each)
 POLLIN, POLLOUT, POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
@@ -53,14 +64,15 @@ SNDMORE, NOBLOCK, RCVMORE, EVENTS = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.
 
 
 class _Parked:
-    """A bulk payload announced before its receive was posted. It waits on its stream, unread, so
-    the receive can claim it and have it land in place; only if that takes PARK_AFTER s (the
-    program waits on a later message first) is it read into a buffer of its own and copied later."""
+    """A payload on a stream that came before its receive was posted. A bulk payload waits on its
+    stream, unread, so the receive can claim it and have it land in place; only if that takes
+    PARK_AFTER s (the program waits on a later message first) is it read into a buffer of its own
+    and copied later. A data frame's payload still on its way is read aside at once."""
 
-    __slots__ = ("incoming", "buffer", "raw", "complete", "error", "req")
+    __slots__ = ("peer", "incoming", "buffer", "raw", "complete", "error", "req")
 
-    def __init__(self, incoming: Incoming) -> None:
-        self.incoming = incoming
+    def __init__(self, peer: int, incoming: Incoming) -> None:
+        self.peer, self.incoming = peer, incoming
         self.buffer: Optional[memoryview] = None  # set once it is read ahead of its receive
         self.raw: Optional[np.ndarray] = None  # the scratch buffer `buffer` views (the transport's pool)
         self.complete = False
@@ -115,7 +127,9 @@ class TcpTransport(Transport):
         self._nsocks = config.get("PYCOLL_NSOCKS")
         self._copy_threshold = config.get("PYCOLL_TCP_COPY_THRESHOLD")
         self._bulk_threshold = config.get("PYCOLL_TCP_BULK_THRESHOLD")  # inf: zmq only
+        self._framed = not math.isinf(self._bulk_threshold)  # data to other ranks rides their stream 0
         self._socket_buffer = config.get("PYCOLL_TCP_SOCKET_BUFFER")  # SO_SNDBUF/SO_RCVBUF; 0: autotuning
+        self._spin_s = config.get("PYCOLL_TCP_SPIN_US") * 1e-6  # polling before a blocking poll
         self._ctx = zmq.Context(io_threads=config.get("PYCOLL_TCP_IO_THREADS"))
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.RCVHWM, 0)
@@ -141,7 +155,8 @@ class TcpTransport(Transport):
         self._cond = threading.Condition()     # followers sleep here until the leader completes work
         self._bulk = BulkLinks(rank, size, addr, self._socket_buffer, config.get("PYCOLL_TCP_LOCAL_SNDBUF"),
                                on_broken=self.matcher.refuse, stripe_min=config.get("PYCOLL_TCP_STRIPE_MIN"),
-                               congestion=config.get("PYCOLL_TCP_CC"))
+                               congestion=config.get("PYCOLL_TCP_CC"),
+                               on_frame=self._on_frame if self._framed else None, on_end=self._stream_ended)
         self._striping = _Striping(self._bulk, self._nsocks == "auto")
         self._bulk_polled: Dict[Tuple[int, int], int] = {}  # (peer, stream) -> poll flags it is registered with
         self._wake_r, self._wake_w = socket.socketpair()  # an isend from another thread wakes the poller
@@ -214,18 +229,42 @@ class TcpTransport(Transport):
         if sock is None:
             raise ValueError(f"rank {self.rank}: this tcp transport does not connect to rank {peer} "
                              f"(it serves ranks {self.peers})")
-        if req.nbytes >= self._bulk_threshold and peer != self.rank:
+        if peer == self.rank or not self._framed:
+            with self._send_locks[peer]:
+                if self._flow is not None and peer != self.rank and not self._flow.admit(peer, req.nbytes):
+                    self._hold(peer, req.nbytes, req, lambda: self._send_data(sock, header, req, view))
+                    return
+                self._send_data(sock, header, req, view)
+            return
+        if req.nbytes >= self._bulk_threshold:
             self._bulk_send(req, peer, key, dtype)
             return
-        flow = self._flow
         with self._send_locks[peer]:
-            if flow is not None and peer != self.rank and not flow.admit(peer, req.nbytes):
-                self._hold(peer, req.nbytes, req, lambda: self._send_data(sock, header, req, view))
+            if self._flow is not None and not self._flow.admit(peer, req.nbytes):
+                self._hold(peer, req.nbytes, req, lambda: self._send_frame(peer, header, req))
                 return
-            self._send_data(sock, header, req, view)
+            self._send_frame(peer, header, req)
+
+    def _send_frame(self, peer: int, header: bytes, req: Request) -> None:
+        """Put a data frame on the peer's stream 0 (its send lock held): copied with its header into
+        one write if small, else written from the user's buffer and tracked."""
+        bulk = self._bulk
+        if peer in bulk.closed_by:
+            fail(req, PeerError(f"rank {self.rank}: cannot send to rank {peer}: {bulk.closed_by[peer]}", peer))
+            return
+        if req.nbytes < self._copy_threshold:
+            queued = bulk.send_frame(peer, header + req.view)
+            req.done = True
+        else:
+            def done(error: Optional[BaseException]) -> None:
+                req.error, req.done = error, True
+            queued = bulk.send(peer, Outgoing(req.view, done), ONE_STREAM, header)
+        if queued:
+            self._wake()  # whoever drives must now poll that stream for writing
 
     def _send_data(self, sock: zmq.Socket, header: bytes, req: Request, view: memoryview) -> None:
-        """Put a message on zmq (the peer's send lock held): copied if small, else zero-copy and tracked."""
+        """Put a message on zmq (the peer's send lock held; to ourselves, or to anyone with
+        PYCOLL_TCP_BULK_THRESHOLD=inf): copied if small, else zero-copy and tracked."""
         sock.send(header, SNDMORE)
         if req.nbytes >= self._copy_threshold:
             req.handle = sock.send(view, copy=False, track=True)
@@ -234,14 +273,14 @@ class TcpTransport(Transport):
             req.done = True
 
     def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> None:
-        """Announce on zmq, then queue the payload on the raw stream, in one order per peer."""
+        """Announce on stream 0 (header and cut), then queue the payload on the streams of its cut, in
+        one order per peer."""
         def done(error: Optional[BaseException]) -> None:
             req.error, req.done = error, True
 
         def start() -> None:
             layout = self._bulk.layout(peer, req.nbytes)
-            self._dealers[peer].send_multipart([announce, b"" if layout == ONE_STREAM else _LAYOUT.pack(*layout)])
-            if self._bulk.send(peer, Outgoing(req.view, done), layout):
+            if self._bulk.send(peer, Outgoing(req.view, done), layout, announce + wire.LAYOUT.pack(*layout)):
                 self._wake()  # whoever drives must now poll its streams for writing
 
         announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
@@ -295,9 +334,11 @@ class TcpTransport(Transport):
         with self._match:
             arrival = self.matcher.post(req)  # what a peer sent before dying still counts
         if arrival is None:
+            if req.peer == ANY or self._bulk.blocked(req.peer):
+                self._wake()  # the driver may have to read aside a payload that holds up its frames
             return
         header, frame = arrival
-        self._consumed(req.peer, 0 if isinstance(frame, _Parked) else header.nbytes)
+        self._consumed(req.peer, header.nbytes if header.kind == wire.KIND_DATA else 0)
         req.check_incoming(self.rank, header.nbytes, header.dtype)
         if isinstance(frame, _Parked):
             with self._match:
@@ -311,9 +352,12 @@ class TcpTransport(Transport):
             if frame.error is not None:
                 fail(req, frame.error)
                 return
-        self._check_length(req, len(frame.buffer))
+            data = frame.buffer
+        else:
+            data = frame  # the payload, a memoryview
+        self._check_length(req, len(data))
         if req.error is None:
-            req.deliver(frame.buffer)
+            req.deliver(data)
         if isinstance(frame, _Parked):  # copied out: its buffer serves the next parked payload
             self.scratch.give(frame.raw)
         req.done = True
@@ -371,8 +415,18 @@ class TcpTransport(Transport):
         step = min(step, self._park_stalled())
         if self._flow is not None and self._flow.held:
             step = min(step, self._ask_stalled())
+        if self._bulk.buffered and self._bulk.read_buffered():
+            step = 0.0  # a payload claimed with its first bytes read ahead: read on, then look again
         self._poll_streams()
-        events = dict(self._poller.poll(math.ceil(step * 1000)))
+        events = dict(self._poller.poll(0 if self._spin_s else math.ceil(step * 1000)))
+        if not events and step > 0:
+            if self._spin_s:  # a reply due within microseconds is seen without a wake-up (costly on a VM)
+                spin_until = time.monotonic() + self._spin_s
+                while not events and time.monotonic() < spin_until:
+                    os.sched_yield()  # (other ranks on this core produce what we wait for)
+                    events = dict(self._poller.poll(0))
+            if not events:
+                events = dict(self._poller.poll(math.ceil(step * 1000)))
         if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
             self._drain_wakeups()
         for lane in self._bulk_polled:
@@ -451,10 +505,8 @@ class TcpTransport(Transport):
             elif header.kind == wire.KIND_BYE:
                 self._skip_rest()
                 self._said_bye.add(peer)
-            elif header.kind == wire.KIND_BULK:
-                cut = router.recv()
-                self._skip_rest()
-                self._announce(peer, header, cut)
+            elif header.kind == wire.KIND_BULK:  # announcements travel on the pair's stream 0
+                self._reject(ident, f"rank {peer} announced a bulk payload on zmq")
             elif header.kind == wire.KIND_CREDIT:
                 self._skip_rest()
                 self._credit_back(peer, header.nbytes)
@@ -469,7 +521,7 @@ class TcpTransport(Transport):
         with self._match:
             req = self.matcher.take(match)
             if req is None:
-                kept = self.matcher.stash(match, (header, self._router.recv(copy=False)))
+                kept = self.matcher.stash(match, (header, self._router.recv(copy=False).buffer))
         if req is None:
             if not kept:  # a revocation notice, acted on
                 self._consumed(peer, header.nbytes)
@@ -488,27 +540,78 @@ class TcpTransport(Transport):
         req.done = True
         self._consumed(peer, header.nbytes)
 
-    def _announce(self, peer: int, header: wire.Header, cut: bytes) -> None:
-        """A bulk payload is next on the peer's streams (cut as `cut` says, b"": whole on stream 0):
-        aim it at its receive, or park it."""
-        if peer not in self._bulk.socks:
-            self._reject(b"", f"rank {peer} announced a bulk payload without a bulk stream")
+    def _on_frame(self, peer: int, header: wire.Header, layout: Optional[Layout],
+                  payload: Optional[memoryview]) -> None:
+        """A frame came on the peer's stream 0 (bulk.py reads them, io lock held)."""
+        kind = header.kind
+        if kind == wire.KIND_DATA:
+            if payload is not None:
+                self._deliver_frame(peer, header, payload)
+            else:
+                self._expect_frame(peer, header)
+        elif kind == wire.KIND_BULK:
+            self._announce(peer, header, layout)
+        else:  # KIND_BYE: after its last data
+            self._said_bye.add(peer)
+
+    def _deliver_frame(self, peer: int, header: wire.Header, payload: memoryview) -> None:
+        """A data frame whose payload came whole with it (in the stream's read-ahead buffer, reused
+        after this call): into its receive, or copied and kept as unexpected."""
+        match = (peer, header.comm_id, header.seq, header.tag)
+        with self._match:
+            req = self.matcher.take(match)
+            if req is None:
+                kept = self.matcher.stash(match, (header, memoryview(bytes(payload))))
+        if req is None:
+            if not kept:  # a revocation notice, acted on
+                self._consumed(peer, header.nbytes)
             return
-        try:
-            layout = Layout(*_LAYOUT.unpack(cut)) if cut else ONE_STREAM
-            if not 1 <= layout.parts <= layout.width <= len(self._bulk.socks[peer]) or layout.first >= layout.width:
-                raise ValueError(f"cut as {tuple(layout)} (parts, first, width) over "
-                                 f"{len(self._bulk.socks[peer])} streams")
-        except (struct.error, ValueError) as e:  # its streams are out of step with us now: give up on the peer
-            self._reject(b"", f"rank {peer} announced a bulk payload we cannot place: {e}")
-            self._bulk.fail(peer, f"announced a bulk payload we cannot place ({e})")
+        req.check_incoming(self.rank, header.nbytes, header.dtype)
+        if req.error is None:
+            req.deliver(payload)
+        req.done = True
+        self._consumed(peer, header.nbytes)
+
+    def _expect_frame(self, peer: int, header: wire.Header) -> None:
+        """A data frame whose payload is still on its way: it lands in its receive (or its sink), or,
+        before the receive is posted, in a scratch buffer at once (frames behind it must not wait)."""
+        match = (peer, header.comm_id, header.seq, header.tag)
+        nbytes = header.nbytes
+        with self._match:
+            req = self.matcher.take(match)
+            incoming = Incoming(nbytes, lambda error: None)
+            if req is None:
+                parked = incoming.owner = _Parked(peer, incoming)
+                parked.raw = self.scratch.take(nbytes)
+                incoming.target = parked.buffer = memoryview(parked.raw[:nbytes])
+                incoming.on_done = lambda error: self._unparked(parked, error)
+                self.matcher.stash(match, (header, parked))  # (a revocation notice has no payload: never here)
+            self._bulk.expect(peer, incoming, ONE_STREAM)
+        if req is not None:
+            self._consumed(peer, nbytes)
+            req.check_incoming(self.rank, nbytes, header.dtype)
+            self._aim(req, incoming)
+
+    def _stream_ended(self, peer: int) -> None:
+        """The peer's stream 0 ended or broke: without a goodbye before it, the peer is lost (declared
+        dead after the grace period, as when its zmq connection drops)."""
+        if peer not in self._said_bye and peer not in self.dead and not self.closed:
+            self._lost_at.setdefault(peer, time.monotonic())
+
+    def _announce(self, peer: int, header: wire.Header, layout: Layout) -> None:
+        """A bulk payload is next on the peer's streams, cut as `layout` says: aim it at its receive,
+        or park it."""
+        if not 1 <= layout.parts <= layout.width <= len(self._bulk.socks[peer]) or layout.first >= layout.width:
+            why = f"cut as {tuple(layout)} (parts, first, width) over {len(self._bulk.socks[peer])} streams"
+            self._reject(b"", f"rank {peer} announced a bulk payload we cannot place: {why}")
+            self._bulk.fail(peer, f"announced a bulk payload we cannot place ({why})")  # its streams are out of step
             return
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
             req = self.matcher.take(match)
             incoming = Incoming(header.nbytes, lambda error: None)
             if req is None:
-                parked = incoming.owner = _Parked(incoming)
+                parked = incoming.owner = _Parked(peer, incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
                 self.matcher.stash(match, (header, parked))
             self._bulk.expect(peer, incoming, layout)
@@ -531,18 +634,22 @@ class TcpTransport(Transport):
         incoming.consume = consume
 
     def _park_stalled(self) -> float:
-        """Read aside the unclaimed payloads that have held up their stream for PARK_AFTER s; the
-        seconds until the next one is due (inf if none waits)."""
+        """Read aside the unclaimed payloads that have held up their stream for PARK_AFTER s, and at
+        once those of a peer that we have a receive posted for (it may wait on a frame behind the
+        payload) or that we lost (its goodbye may be behind it); the seconds until the next one is
+        due (inf if none waits)."""
         now, due = time.monotonic(), math.inf
         for incoming in self._bulk.unclaimed_heads():
-            if now - incoming.since < PARK_AFTER:
-                due = min(due, incoming.since + PARK_AFTER - now)
-                continue
             with self._match:
-                if not incoming.claimed:  # read into a scratch buffer until its receive comes
-                    parked = incoming.owner
-                    parked.raw = self.scratch.take(incoming.nbytes)
-                    incoming.target = parked.buffer = memoryview(parked.raw[:incoming.nbytes])
+                if incoming.claimed:
+                    continue
+                parked = incoming.owner
+                if now - incoming.since < PARK_AFTER and parked.peer not in self._lost_at and not any(
+                        m[0] == parked.peer or m[0] == ANY for m in self.matcher.posted):
+                    due = min(due, incoming.since + PARK_AFTER - now)
+                    continue
+                parked.raw = self.scratch.take(incoming.nbytes)  # read into it until its receive comes
+                incoming.target = parked.buffer = memoryview(parked.raw[:incoming.nbytes])
         return due
 
     def _unparked(self, parked: _Parked, error: Optional[BaseException]) -> None:
@@ -575,13 +682,17 @@ class TcpTransport(Transport):
         now = time.monotonic()
         for peer, since in list(self._lost_at.items()):
             if now - since >= _GRACE:
+                self._declare_dead(peer)  # (still counted lost meanwhile: what holds up its stream is read aside)
                 del self._lost_at[peer]
-                self._declare_dead(peer)
 
     def _declare_dead(self, peer: int) -> None:
         """A peer that said bye only fails what waits on it; one that vanished breaks the whole job
         (like NCCL's abort): a collective waiting on any rank would otherwise hang on it."""
         self._read_router()  # messages that arrived before the drop are still good
+        if self._framed and peer in self._bulk.socks:  # frames that came before the drop, its goodbye among them
+            self._park_stalled()  # (what holds up its stream 0 is read aside: the peer is lost)
+            if self._bulk.wants_read(peer, 0):
+                self._bulk.read(peer, 0)
         died = peer not in self._said_bye
         fresh = peer not in self.matcher.dead  # not settled by the survivors' agreement already
         self.dead[peer] = ("its connection dropped without a goodbye: the process died" if died else
@@ -643,8 +754,8 @@ class TcpTransport(Transport):
 
     def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
         """Purged arrivals were never consumed: return their credit to their senders."""
-        for match, (header, frame) in arrivals:
-            self._consumed(match[0], 0 if isinstance(frame, _Parked) else header.nbytes)
+        for match, (header, _) in arrivals:
+            self._consumed(match[0], header.nbytes if header.kind == wire.KIND_DATA else 0)
 
     def _check_length(self, req: Request, got: int) -> None:
         if got != req.nbytes and req.error is None:
@@ -690,11 +801,16 @@ class TcpTransport(Transport):
                 sock.disable_monitor()
         for monitor in self._peer_monitors:
             monitor.close(linger=0)
+        framed = [p for p in self._bulk.socks if self._framed and p not in self.dead]
+        for peer in framed:  # after our last data, in order, on the stream that carried it
+            with self._send_locks[peer]:
+                if peer not in self._bulk.closed_by:
+                    self._bulk.send_frame(peer, _BYE)
         self._bulk.drain_sends(time.monotonic() + _LINGER_MS / 1000)
         for peer, sock in enumerate(self._dealers):
             if sock is not None:
-                if peer != self.rank and peer not in self.dead:  # after our last data, in order
-                    sock.send_multipart([wire.pack_header(wire.KIND_BYE, 0, 0, 0, 0, 0), b""])
+                if peer != self.rank and peer not in self.dead and peer not in framed:  # after our last data
+                    sock.send_multipart([_BYE, b""])
                 sock.close()
         self._router.disable_monitor()
         self._monitor.close(linger=0)

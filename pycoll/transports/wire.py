@@ -11,6 +11,7 @@ VERSION = 1
 KIND_DATA, KIND_HELLO, KIND_BYE = 0, 1, 2  # BYE: the sender closes normally, after its last data
 KIND_BULK = 3  # announces a payload of `nbytes` that follows on the pair's raw stream (bulk.py)
 KIND_CREDIT, KIND_ASK = 4, 5  # flow control (flow.py): `nbytes` of credit returned; a sender waits on credit
+LAYOUT = struct.Struct("<HHH")  # after a KIND_BULK header on a tcp stream: the payload's cut (parts, first, width)
 _KINDS = (KIND_DATA, KIND_HELLO, KIND_BYE, KIND_BULK, KIND_CREDIT, KIND_ASK)
 HEADER = struct.Struct("<4sBBHQQqQ")  # magic, version, kind, dtype, comm_id, seq, tag, nbytes
 HELLO = struct.Struct("<II16s32s")   # src rank, dst rank, nonce, hmac
@@ -34,6 +35,15 @@ def unpack_header(data: bytes) -> Header:
     if len(data) != HEADER.size:
         raise ValueError(f"header of {len(data)} bytes, expected {HEADER.size}")
     magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack(data)
+    if magic != MAGIC or version != VERSION or kind not in _KINDS:
+        raise ValueError("not a pycoll header (bad magic, version or kind)")
+    return Header(kind, dtype, comm_id, seq, tag, nbytes)
+
+
+def unpack_header_from(buffer: memoryview, offset: int) -> Header:
+    """Parse the header at `offset` of `buffer` (at least HEADER.size bytes from there); ValueError as
+    unpack_header."""
+    magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack_from(buffer, offset)
     if magic != MAGIC or version != VERSION or kind not in _KINDS:
         raise ValueError("not a pycoll header (bad magic, version or kind)")
     return Header(kind, dtype, comm_id, seq, tag, nbytes)
