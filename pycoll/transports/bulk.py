@@ -243,6 +243,7 @@ class BulkLinks:
         self._frames: Dict[int, _Frames] = {}  # peer -> its stream 0's read state (with on_frame)
         self.ended: Set[int] = set()  # peers whose stream 0 ended: not read any more
         self.buffered: Set[int] = set()  # peers whose stream 0 stopped at an unclaimed payload with bytes read ahead
+        self._parts_in = 0  # announced parts not yet read, on all streams (none: no payload can be unclaimed)
         self._stripe_min = max(1, stripe_min)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((address, 0))
@@ -458,6 +459,7 @@ class BulkLinks:
         item.left = len(cuts)
         for stream, (offset, length) in zip(layout.streams(), cuts):
             queues[stream].append(_InPart(item, offset, length))
+        self._parts_in += len(cuts)
 
     def wants_read(self, peer: int, stream: int) -> bool:
         """Whether the stream has something to read now: a claimed payload's part, or (stream 0 with
@@ -474,6 +476,8 @@ class BulkLinks:
 
     def unclaimed_heads(self) -> List[Incoming]:
         """Payloads with a part at the head of its stream that nobody has claimed yet (io lock held)."""
+        if not self._parts_in:  # (every wait asks: most find nothing announced at all)
+            return []
         heads: Dict[int, Incoming] = {}
         for queues in self._in.values():
             for q in queues:
@@ -512,6 +516,7 @@ class BulkLinks:
                 self._ended(peer, stream)
                 return
             if part.got == part.nbytes:
+                self._parts_in -= 1
                 _part_done(queue)
 
     def _frame(self, peer: int, sock: socket.socket, frames: _Frames) -> bool:
@@ -622,7 +627,9 @@ class BulkLinks:
         """The peer's streams are unusable: fail everything queued on them, both ways (io lock held)."""
         self._broke(peer, why)
         err = PeerError(f"rank {self.rank}: rank {peer} {why}", peer)
-        for item in _take_queued(self._in[peer]):
+        pending = _take_queued(self._in[peer])
+        self._parts_in = sum(len(q) for queues in self._in.values() for q in queues)
+        for item in pending:
             item._finish(err)
         self._fail_out(peer, err)
 
