@@ -137,3 +137,31 @@ def test_a_peer_dying_mid_frame_fails_the_receive_naming_it():
     assert first == [2.0] * 4
     assert kind == "PeerError" and peer == 1 and "rank 1" in message, message
     assert waited < 20, f"noticed after {waited:.1f} s"
+
+
+@pytest.mark.parametrize("threshold", ["inf", "0"])
+def test_every_message_on_zmq_or_every_one_bulk(threshold):
+    """PYCOLL_TCP_BULK_THRESHOLD=inf: every message rides zmq (no frames); 0: every one is a bulk
+    payload, empty ones too; either way one key still matches in order, and a revocation notice
+    (an empty message) neither hangs nor holds up what follows it."""
+    env = dict(TCP, PYCOLL_TCP_BULK_THRESHOLD=threshold)
+    assert run_ranks(_one_tag_every_kind, 2, True, env=env)[1] == [True] * len(SIZES)
+    assert run_ranks(_revoke_then_talk, 2, env=env) == ["RevokedError", "RevokedError"]
+
+
+def _revoke_then_talk(comm):
+    """Rank 0 revokes the world (a notice to rank 1), then sends on a duplicate made before: rank 1
+    gets that message behind the notice, and both see the world revoked."""
+    side = comm.dup()
+    if comm.rank == 0:
+        comm.revoke()
+        side.send(np.full(3, 4.0), 1, tag=1)
+    else:
+        buf = np.empty(3)
+        side.recv(buf, 0, tag=1)
+        assert buf.tolist() == [4.0] * 3
+    try:
+        comm.allreduce(np.ones(1))
+        return "no error"
+    except Exception as e:
+        return type(e).__name__

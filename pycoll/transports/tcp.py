@@ -613,7 +613,10 @@ class TcpTransport(Transport):
             if req is None:
                 parked = incoming.owner = _Parked(peer, incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
-                self.matcher.stash(match, (header, parked))
+                if not self.matcher.stash(match, (header, parked)):  # a revocation notice, acted on:
+                    parked.raw = self.scratch.take(header.nbytes)  # its bytes are read and dropped
+                    incoming.target = memoryview(parked.raw[:header.nbytes])
+                    self._consumed(peer, 0)
             self._bulk.expect(peer, incoming, layout)
         if req is not None:
             self._consumed(peer, 0)
