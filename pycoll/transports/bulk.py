@@ -143,6 +143,7 @@ class _Frames:
         self.view = memoryview(bytearray(_FRAME_BUF))
         self.start = self.end = 0
         self.drained = False  # the last recv got less than it asked for: the kernel had no more then
+        # (so a frame's end waits for the poll rather than a recv that would most likely raise)
 
 
 Consume = Callable[[memoryview, int], None]  # (piece, byte offset of the piece in the payload)
@@ -495,7 +496,7 @@ class BulkLinks:
             frames.drained = False
         while True:
             if not queue:
-                if frames is None or not self._frame(peer, sock, frames):
+                if frames is None or not self._frame(peer, sock, frames, queue):
                     return
                 continue
             part = queue[0]
@@ -519,45 +520,53 @@ class BulkLinks:
                 self._parts_in -= 1
                 _part_done(queue)
 
-    def _frame(self, peer: int, sock: socket.socket, frames: _Frames) -> bool:
-        """Take the next frame off stream 0 and hand it to on_frame, reading more when it is not all
-        here; False when that must wait (nothing more in the kernel) or the stream is done for."""
-        start, have = frames.start, frames.end - frames.start
-        view = frames.view
-        try:
-            if have < wire.HEADER.size:
-                return self._fill(peer, sock, frames)
-            header = wire.unpack_header_from(view, start)
-            kind, nbytes = header.kind, header.nbytes
-            layout: Optional[Layout] = None
-            if kind == wire.KIND_DATA:
-                if have - wire.HEADER.size >= nbytes:  # the payload came with it: straight to the receive
-                    frames.start = start + wire.HEADER.size + nbytes
-                    self._on_frame(peer, header, None, view[start + wire.HEADER.size:frames.start])
-                    return peer not in self.closed_by
-                frames.start = start + wire.HEADER.size
-            elif kind == wire.KIND_BULK:
-                if have < _LAYOUT_SIZE:
-                    return self._fill(peer, sock, frames)
-                layout = Layout(*wire.LAYOUT.unpack_from(view, start + wire.HEADER.size))
-                frames.start = start + _LAYOUT_SIZE
-            elif kind == wire.KIND_BYE:
-                frames.start = start + wire.HEADER.size
-            else:
-                raise ValueError(f"a frame of kind {kind} has no place on a stream")
-        except ValueError as e:  # out of step (or a stranger's bytes): nothing after it can be placed
-            self.rejected += 1
-            self.fail(peer, f"sent what is not a frame on its stream ({e})")
-            self._ended(peer, 0)
-            return False
-        self._on_frame(peer, header, layout, None)
-        return peer not in self.closed_by
+    def _frame(self, peer: int, sock: socket.socket, frames: _Frames, queue: Deque[_InPart]) -> bool:
+        """Take frames off stream 0 and hand them to on_frame, reading more when one is not all here,
+        until a payload's part is next (True) or that must wait (nothing more in the kernel) or the
+        stream is done for (False)."""
+        view, size = frames.view, wire.HEADER.size
+        while True:
+            start, have = frames.start, frames.end - frames.start
+            try:
+                if have < size:
+                    if frames.drained or not self._fill(peer, sock, frames):
+                        return False
+                    continue
+                header = wire.unpack_header_from(view, start)
+                kind, nbytes = header.kind, header.nbytes
+                layout: Optional[Layout] = None
+                payload: Optional[memoryview] = None
+                if kind == wire.KIND_DATA:
+                    if have - size >= nbytes:  # the payload came with it: straight to the receive
+                        frames.start = start + size + nbytes
+                        payload = view[start + size:frames.start]
+                    else:
+                        frames.start = start + size
+                elif kind == wire.KIND_BULK:
+                    if have < _LAYOUT_SIZE:
+                        if not self._fill(peer, sock, frames):
+                            return False
+                        continue
+                    layout = Layout(*wire.LAYOUT.unpack_from(view, start + size))
+                    frames.start = start + _LAYOUT_SIZE
+                elif kind == wire.KIND_BYE:
+                    frames.start = start + size
+                else:
+                    raise ValueError(f"a frame of kind {kind} has no place on a stream")
+            except ValueError as e:  # out of step (or a stranger's bytes): nothing after it can be placed
+                self.rejected += 1
+                self.fail(peer, f"sent what is not a frame on its stream ({e})")
+                self._ended(peer, 0)
+                return False
+            self._on_frame(peer, header, layout, payload)
+            if peer in self.closed_by:
+                return False
+            if queue:
+                return True
 
     def _fill(self, peer: int, sock: socket.socket, frames: _Frames) -> bool:
         """Read more of stream 0 behind the bytes kept (moved to the front first); False if nothing
         came (the stream ended or broke, or nothing is there yet)."""
-        if frames.drained:  # a recv now would most likely find nothing (costly: it raises); the poll tells
-            return False
         start, end, view = frames.start, frames.end, frames.view
         if start:
             view[:end - start] = view[start:end]
