@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -163,6 +164,8 @@ class TcpTransport(Transport):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._spin_poll = select.poll()  # what a spinning waiter looks at: streams to read, wake-ups (cheaper than zmq's)
+        self._spin_poll.register(self._wake_r, select.POLLIN)
         self._ident_rank: Dict[bytes, int] = {}
         self._seen_nonces: set = set()
         self._token = b""
@@ -418,15 +421,16 @@ class TcpTransport(Transport):
         if self._bulk.buffered and self._bulk.read_buffered():
             step = 0.0  # a payload claimed with its first bytes read ahead: read on, then look again
         self._poll_streams()
-        events = dict(self._poller.poll(0 if self._spin_s else math.ceil(step * 1000)))
-        if not events and step > 0:
-            if self._spin_s:  # a reply due within microseconds is seen without a wake-up (costly on a VM)
-                spin_until = time.monotonic() + self._spin_s
-                while not events and time.monotonic() < spin_until:
-                    os.sched_yield()  # (other ranks on this core produce what we wait for)
-                    events = dict(self._poller.poll(0))
-            if not events:
-                events = dict(self._poller.poll(math.ceil(step * 1000)))
+        spin = self._spin_poll.poll
+        ready = step <= 0 or bool(spin(0))
+        if not ready and self._spin_s:  # a reply due within microseconds is seen without a wake-up (costly on a VM)
+            spin_until = time.monotonic() + self._spin_s
+            while time.monotonic() < spin_until:
+                os.sched_yield()  # (other ranks on this core produce what we wait for)
+                if spin(0):
+                    ready = True
+                    break
+        events = dict(self._poller.poll(0 if ready else math.ceil(step * 1000)))  # (zmq's sockets too)
         if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
             self._drain_wakeups()
         for lane in self._bulk_polled:
@@ -456,13 +460,18 @@ class TcpTransport(Transport):
             lane = (peer, stream)
             flags = (POLLIN if bulk.wants_read(peer, stream) else 0) | \
                 (POLLOUT if bulk.wants_write(peer, stream) else 0)
-            if flags != self._bulk_polled.get(lane, 0):
+            was = self._bulk_polled.get(lane, 0)
+            if flags != was:
                 if not flags:
                     self._poller.unregister(sock)
                     del self._bulk_polled[lane]
                 else:
                     self._poller.register(sock, flags)  # registering again modifies
                     self._bulk_polled[lane] = flags
+                if flags & POLLIN and not was & POLLIN:
+                    self._spin_poll.register(sock, select.POLLIN)
+                elif was & POLLIN and not flags & POLLIN:
+                    self._spin_poll.unregister(sock)
 
     def _wake(self) -> None:
         """Interrupt the driver's poll; a full socket means a wake-up is pending already (a burst of
@@ -752,7 +761,8 @@ class TcpTransport(Transport):
             fail(req, PeerError(f"rank {self.rank}: send to rank {peer} could not finish: {why}", peer))
         for lane in [lane for lane in self._bulk_polled if lane[0] == peer]:
             self._poller.unregister(self._bulk.socks[peer][lane[1]])
-            del self._bulk_polled[lane]
+            if self._bulk_polled.pop(lane) & POLLIN:
+                self._spin_poll.unregister(self._bulk.socks[peer][lane[1]])
         self._bulk.forget(peer, why)
 
     def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
