@@ -164,7 +164,7 @@ class TcpTransport(Transport):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self._spin_poll = select.poll()  # what a spinning waiter looks at: streams to read, wake-ups (cheaper than zmq's)
+        self._spin_poll = select.poll()  # what a spinning waiter looks at: the streams, wake-ups (cheaper than zmq's)
         self._spin_poll.register(self._wake_r, select.POLLIN)
         self._ident_rank: Dict[bytes, int] = {}
         self._seen_nonces: set = set()
@@ -460,18 +460,16 @@ class TcpTransport(Transport):
             lane = (peer, stream)
             flags = (POLLIN if bulk.wants_read(peer, stream) else 0) | \
                 (POLLOUT if bulk.wants_write(peer, stream) else 0)
-            was = self._bulk_polled.get(lane, 0)
-            if flags != was:
+            if flags != self._bulk_polled.get(lane, 0):
                 if not flags:
                     self._poller.unregister(sock)
+                    self._spin_poll.unregister(sock)
                     del self._bulk_polled[lane]
                 else:
                     self._poller.register(sock, flags)  # registering again modifies
+                    self._spin_poll.register(sock, (select.POLLIN if flags & POLLIN else 0) |
+                                             (select.POLLOUT if flags & POLLOUT else 0))
                     self._bulk_polled[lane] = flags
-                if flags & POLLIN and not was & POLLIN:
-                    self._spin_poll.register(sock, select.POLLIN)
-                elif was & POLLIN and not flags & POLLIN:
-                    self._spin_poll.unregister(sock)
 
     def _wake(self) -> None:
         """Interrupt the driver's poll; a full socket means a wake-up is pending already (a burst of
@@ -761,8 +759,8 @@ class TcpTransport(Transport):
             fail(req, PeerError(f"rank {self.rank}: send to rank {peer} could not finish: {why}", peer))
         for lane in [lane for lane in self._bulk_polled if lane[0] == peer]:
             self._poller.unregister(self._bulk.socks[peer][lane[1]])
-            if self._bulk_polled.pop(lane) & POLLIN:
-                self._spin_poll.unregister(self._bulk.socks[peer][lane[1]])
+            self._spin_poll.unregister(self._bulk.socks[peer][lane[1]])
+            del self._bulk_polled[lane]
         self._bulk.forget(peer, why)
 
     def _release(self, arrivals: List[Tuple[Match, Any]]) -> None:
