@@ -475,6 +475,11 @@ class BulkLinks:
         queue = self._in[peer][0] if peer in self._frames and peer in self.socks else None
         return bool(queue) and not queue[0].payload.claimed
 
+    def blocks_frames(self, peer: int, item: Incoming) -> bool:
+        """Whether `item` has the head of the peer's stream 0, where frames wait behind it."""
+        queue = self._in[peer][0] if peer in self._frames and peer in self.socks else None
+        return bool(queue) and queue[0].payload is item
+
     def unclaimed_heads(self) -> List[Incoming]:
         """Payloads with a part at the head of its stream that nobody has claimed yet (io lock held)."""
         if not self._parts_in:  # (every wait asks: most find nothing announced at all)

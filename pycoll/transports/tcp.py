@@ -621,8 +621,7 @@ class TcpTransport(Transport):
                 parked = incoming.owner = _Parked(peer, incoming)
                 incoming.on_done = lambda error: self._unparked(parked, error)
                 if not self.matcher.stash(match, (header, parked)):  # a revocation notice, acted on:
-                    parked.raw = self.scratch.take(header.nbytes)  # its bytes are read and dropped
-                    incoming.target = memoryview(parked.raw[:header.nbytes])
+                    incoming.target = memoryview(bytearray(header.nbytes))  # its bytes are read and dropped
                     self._consumed(peer, 0)
             self._bulk.expect(peer, incoming, layout)
         if req is not None:
@@ -645,17 +644,19 @@ class TcpTransport(Transport):
 
     def _park_stalled(self) -> float:
         """Read aside the unclaimed payloads that have held up their stream for PARK_AFTER s, and at
-        once those of a peer that we have a receive posted for (it may wait on a frame behind the
-        payload) or that we lost (its goodbye may be behind it); the seconds until the next one is
-        due (inf if none waits)."""
+        once those of a peer that we lost (its goodbye may be behind them) or that hold up its frames
+        while we have a receive posted from it (it may wait on one of them); the seconds until the
+        next one is due (inf if none waits)."""
         now, due = time.monotonic(), math.inf
         for incoming in self._bulk.unclaimed_heads():
             with self._match:
                 if incoming.claimed:
                     continue
                 parked = incoming.owner
-                if now - incoming.since < PARK_AFTER and parked.peer not in self._lost_at and not any(
-                        m[0] == parked.peer or m[0] == ANY for m in self.matcher.posted):
+                peer = parked.peer
+                if now - incoming.since < PARK_AFTER and peer not in self._lost_at and not (
+                        self._bulk.blocks_frames(peer, incoming)
+                        and any(m[0] == peer or m[0] == ANY for m in self.matcher.posted)):
                     due = min(due, incoming.since + PARK_AFTER - now)
                     continue
                 parked.raw = self.scratch.take(incoming.nbytes)  # read into it until its receive comes
