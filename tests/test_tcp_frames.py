@@ -15,6 +15,21 @@ TRACKED = 100_000  # a data frame written from the user's buffer (past PYCOLL_TC
 pytestmark = pytest.mark.timeout(120)
 
 
+def _until(comm, what, done, timeout=30.0):
+    """Drive the transport (a non-blocking turn of its io loop at a time) until done() holds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank {comm.rank}: {what} did not happen within {timeout:g} s")
+        comm.transport.progress()
+        time.sleep(0.001)
+
+
+def _arrived(comm, peer, tag):
+    """Messages from `peer` with `tag` that came before their receives (kept as unexpected)."""
+    return sum(len(q) for m, q in comm.transport.matcher.unexpected.items() if m[0] == peer and m[3] == tag)
+
+
 def _small_behind_unclaimed_bulk(comm):
     """Rank 0 sends a bulk payload (tag 1), then a small message (tag 2); rank 1 receives tag 2
     first: the unclaimed payload ahead of it on the stream must not hold it up (with PARK_AFTER
@@ -26,7 +41,7 @@ def _small_behind_unclaimed_bulk(comm):
         comm.send(np.full(2, 7.0), 1, tag=2)
         comm.recv(np.empty(1), 1, tag=3)  # rank 1 is through
         return None
-    time.sleep(0.3)  # both have arrived: the payload waits unclaimed at the head of stream 0
+    _until(comm, "the bulk payload waiting unclaimed at the head of stream 0", lambda: comm.transport._bulk.blocked(0))
     small, big = np.empty(2), np.empty(BULK // 8)
     t0 = time.monotonic()
     comm.recv(small, 0, tag=2)
@@ -54,8 +69,8 @@ def _one_tag_every_kind(comm, late):
             r.wait()
         comm.recv(np.empty(1), 1, tag=6)
         return None
-    if late:
-        time.sleep(0.5)  # all of them arrive before their receives: stashed, parked, read aside
+    if late:  # all of them arrive before their receives: stashed, parked, read aside
+        _until(comm, "every message's arrival", lambda: _arrived(comm, 0, 5) == len(SIZES))
     bufs = [np.empty(n, np.uint8) for n in SIZES]
     reqs = [comm.irecv(b, 0, tag=5) for b in bufs]
     for r in reqs:
@@ -96,7 +111,7 @@ def _send_then_close(comm):
         for k, n in enumerate(SIZES):
             comm.isend(np.full(n, k + 1, np.uint8), 0, tag=k)
         return None  # the harness closes the communicator (flushing what is queued), then the process exits
-    time.sleep(2.5)
+    _until(comm, "rank 1's close", lambda: 1 in comm.transport.dead)  # (after the grace period its drop gets)
     got = []
     for k, n in enumerate(SIZES):
         buf = np.empty(n, np.uint8)

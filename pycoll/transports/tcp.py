@@ -81,6 +81,13 @@ class _Parked:
         self.req: Optional[Request] = None
 
 
+def _completes(req: Request) -> Callable[[Optional[BaseException]], None]:
+    """The on_done of a payload written from `req`'s buffer: the send is done (failed with the error)."""
+    def done(error: Optional[BaseException]) -> None:
+        req.error, req.done = error, True
+    return done
+
+
 def streams_offered(setting: Union[str, int], same_host: bool) -> int:
     """Streams a rank with PYCOLL_NSOCKS=`setting` opens to a peer: a number is that many to every
     peer; auto is AUTO_STREAMS to other hosts and 1 on this host (loopback has no per-flow cap,
@@ -259,9 +266,7 @@ class TcpTransport(Transport):
             queued = bulk.send_frame(peer, header + req.view)
             req.done = True
         else:
-            def done(error: Optional[BaseException]) -> None:
-                req.error, req.done = error, True
-            queued = bulk.send(peer, Outgoing(req.view, done), ONE_STREAM, header)
+            queued = bulk.send(peer, Outgoing(req.view, _completes(req)), ONE_STREAM, header)
         if queued:
             self._wake()  # whoever drives must now poll that stream for writing
 
@@ -278,12 +283,10 @@ class TcpTransport(Transport):
     def _bulk_send(self, req: Request, peer: int, key: MsgKey, dtype: int) -> None:
         """Announce on stream 0 (header and cut), then queue the payload on the streams of its cut, in
         one order per peer."""
-        def done(error: Optional[BaseException]) -> None:
-            req.error, req.done = error, True
-
         def start() -> None:
             layout = self._bulk.layout(peer, req.nbytes)
-            if self._bulk.send(peer, Outgoing(req.view, done), layout, announce + wire.LAYOUT.pack(*layout)):
+            if self._bulk.send(peer, Outgoing(req.view, _completes(req)), layout,
+                               announce + wire.LAYOUT.pack(*layout)):
                 self._wake()  # whoever drives must now poll its streams for writing
 
         announce = wire.pack_header(wire.KIND_BULK, dtype, key.comm_id, key.seq, key.tag, req.nbytes)
@@ -524,28 +527,11 @@ class TcpTransport(Transport):
                 self._deliver(peer, header)
 
     def _deliver(self, peer: int, header: wire.Header) -> None:
-        match = (peer, header.comm_id, header.seq, header.tag)
-        with self._match:
-            req = self.matcher.take(match)
-            if req is None:
-                kept = self.matcher.stash(match, (header, self._router.recv(copy=False).buffer))
-        if req is None:
-            if not kept:  # a revocation notice, acted on
-                self._consumed(peer, header.nbytes)
-            return
-        req.check_incoming(self.rank, header.nbytes, header.dtype)
-        if req.error is not None:
-            self._router.recv(copy=False)
-        elif req.sink is not None:
-            frame = self._router.recv(copy=False)
-            self._check_length(req, len(frame.buffer))
-            if req.error is None:
-                req.deliver(frame.buffer)
-        else:
-            self._check_length(req, self._router.recv_into(req.view))
+        """A data message on zmq (to ourselves, or every message with frames off): its payload frame,
+        handled as a stream's data frame is (kept as it is if unexpected: zmq's frame is ours)."""
+        payload = self._router.recv(copy=False).buffer
         self._skip_rest()
-        req.done = True
-        self._consumed(peer, header.nbytes)
+        self._deliver_frame(peer, header, payload, owned=True)
 
     def _on_frame(self, peer: int, header: wire.Header, layout: Optional[Layout],
                   payload: Optional[memoryview]) -> None:
@@ -561,19 +547,20 @@ class TcpTransport(Transport):
         else:  # KIND_BYE: after its last data
             self._said_bye.add(peer)
 
-    def _deliver_frame(self, peer: int, header: wire.Header, payload: memoryview) -> None:
-        """A data frame whose payload came whole with it (in the stream's read-ahead buffer, reused
-        after this call): into its receive, or copied and kept as unexpected."""
+    def _deliver_frame(self, peer: int, header: wire.Header, payload: memoryview, owned: bool = False) -> None:
+        """A data message whose payload came whole with it: into its receive, or kept as unexpected,
+        copied unless `owned` (a stream's frame lies in its read-ahead buffer, reused after this call)."""
         match = (peer, header.comm_id, header.seq, header.tag)
         with self._match:
             req = self.matcher.take(match)
             if req is None:
-                kept = self.matcher.stash(match, (header, memoryview(bytes(payload))))
+                kept = self.matcher.stash(match, (header, payload if owned else memoryview(bytes(payload))))
         if req is None:
             if not kept:  # a revocation notice, acted on
                 self._consumed(peer, header.nbytes)
             return
         req.check_incoming(self.rank, header.nbytes, header.dtype)
+        self._check_length(req, len(payload))  # (zmq's frame may not be the size its header says)
         if req.error is None:
             req.deliver(payload)
         req.done = True

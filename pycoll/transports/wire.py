@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import NamedTuple, Optional, Set, Tuple
+from typing import NamedTuple, Optional, Set, Tuple, Union
 
 MAGIC = b"PYCL"
 VERSION = 1
@@ -34,13 +34,10 @@ def unpack_header(data: bytes) -> Header:
     """Parse a header; ValueError for anything that is not a pycoll header of this version."""
     if len(data) != HEADER.size:
         raise ValueError(f"header of {len(data)} bytes, expected {HEADER.size}")
-    magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack(data)
-    if magic != MAGIC or version != VERSION or kind not in _KINDS:
-        raise ValueError("not a pycoll header (bad magic, version or kind)")
-    return Header(kind, dtype, comm_id, seq, tag, nbytes)
+    return unpack_header_from(data, 0)
 
 
-def unpack_header_from(buffer: memoryview, offset: int) -> Header:
+def unpack_header_from(buffer: Union[bytes, memoryview], offset: int) -> Header:
     """Parse the header at `offset` of `buffer` (at least HEADER.size bytes from there); ValueError as
     unpack_header."""
     magic, version, kind, dtype, comm_id, seq, tag, nbytes = HEADER.unpack_from(buffer, offset)
