@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import math
 import threading
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -110,7 +111,7 @@ class Lent:
 
     def __init__(self, pool: Optional[ScratchPool], shape: Shape, dtype: Any) -> None:
         dt = np.dtype(dtype)
-        count = shape if isinstance(shape, int) else int(np.prod(shape, dtype=np.int64))
+        count = shape if isinstance(shape, int) else math.prod(shape)  # (np.prod costs microseconds)
         nbytes = count * dt.itemsize
         if pool is None or nbytes < MIN_POOLED:
             self._pool, self._raw, self.array = None, None, np.empty(shape, dt)

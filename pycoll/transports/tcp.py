@@ -53,6 +53,7 @@ PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
+_ROUTER_EVERY = 0.0005  # s a waiter that finds frames on its streams may go without polling zmq's sockets
 _GRACE = 1.0  # seconds between a dropped connection and declaring the peer dead
 _LINGER_MS = 5000
 
@@ -156,6 +157,7 @@ class TcpTransport(Transport):
         self._watch = zmq.Poller()  # connection monitors: looked at every _WATCH_EVERY s, not every poll
         self._watch.register(self._monitor, zmq.POLLIN)
         self._next_watch = 0.0
+        self._next_router = 0.0
         self._dealers: List[Optional[zmq.Socket]] = [None] * size
         self._send_locks = [threading.Lock() for _ in range(size)]
         self._io = threading.Lock()            # held by the one thread reading the router
@@ -425,15 +427,20 @@ class TcpTransport(Transport):
             step = 0.0  # a payload claimed with its first bytes read ahead: read on, then look again
         self._poll_streams()
         spin = self._spin_poll.poll
-        ready = step <= 0 or bool(spin(0))
-        if not ready and self._spin_s:  # a reply due within microseconds is seen without a wake-up (costly on a VM)
-            spin_until = time.monotonic() + self._spin_s
+        hits = spin(0)
+        if not hits and step > 0 and self._spin_s:  # a reply due within microseconds is seen without a wake-up
+            spin_until = time.monotonic() + self._spin_s  # (a wake-up is costly on a VM)
             while time.monotonic() < spin_until:
                 os.sched_yield()  # (other ranks on this core produce what we wait for)
-                if spin(0):
-                    ready = True
+                hits = spin(0)
+                if hits:
                     break
-        events = dict(self._poller.poll(0 if ready else math.ceil(step * 1000)))  # (zmq's sockets too)
+        now = time.monotonic()
+        if hits and now < self._next_router:  # the streams have work: zmq's poll (costly) at most every _ROUTER_EVERY
+            events = dict(hits)
+        else:
+            self._next_router = now + _ROUTER_EVERY
+            events = dict(self._poller.poll(0 if hits or step <= 0 else math.ceil(step * 1000)))  # zmq's too
         if self._wake_r.fileno() in events:  # zmq's poller reports plain sockets by fd
             self._drain_wakeups()
         for lane in self._bulk_polled:
