@@ -31,7 +31,7 @@ SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
 BACKENDS = ("pycoll", "gloo")
 
 # the job shapes: small enough for 2 cores, large enough that what each section is about shows
-HYBRID = ["--dp-style", "ddp", "--dim", "32", "--heads", "4", "--mlp-ratio", "2", "--seq", "128", "--batch", "64",
+HYBRID = ["--dp-style", "ddp", "--dim", "32", "--heads", "4", "--mlp-ratio", "2", "--seq", "128", "--batch", "128",
           "--steps", "8"]
 PP = ["--layers", "4", "--dim", "256", "--seq", "64", "--batch", "128", "--steps", "4"]
 SERVE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--batch", "1", "--prompt-len", "16",
