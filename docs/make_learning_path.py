@@ -187,7 +187,8 @@ def hybrid_section(d: Dict[str, Any]) -> List[str]:
 
 def pp_section(d: Dict[str, Any]) -> List[str]:
     rows = ["| schedule | m | theory (p-1)/(m+p-1) | 1 host: pycoll | 1 host: gloo | 2 hosts: pycoll | 2 hosts: gloo "
-            "| pycoll within 20%? (1 host, 2 hosts) |", "|---|---|---|---|---|---|---|---|"]
+            "| pycoll within 20%? (1 host, 2 hosts) | pycoll's compute alone (1 host, 2 hosts) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for key in d["one_host"]:
         s, m, b = key.split("/")
         if b != "pycoll":
@@ -196,8 +197,9 @@ def pp_section(d: Dict[str, Any]) -> List[str]:
         vals = [d[where][f"{s}/{m}/{b2}"]["result"]["bubble"] for where in ("one_host", "two_hosts")
                 for b2 in BACKENDS]
         ok = ["yes" if abs(v - theory) <= 0.2 * theory else "no" for v in (vals[0], vals[2])]
+        alone = [d[where][key]["result"].get("bubble_compute_only") for where in ("one_host", "two_hosts")]
         rows.append(f"| {s} | {m[1:]} | {theory:.3f} | {vals[0]:.3f} | {vals[1]:.3f} | {vals[2]:.3f} | {vals[3]:.3f} "
-                    f"| {ok[0]}, {ok[1]} |")
+                    f"| {ok[0]}, {ok[1]} | {', '.join('-' if a is None else f'{a:.3f}' for a in alone)} |")
     return rows
 
 

@@ -125,6 +125,34 @@ def test_pp_bit_identical_to_gloo(tmp_path, schedule):
     assert len(ours["bubble_per_stage"]) == 2
     assert all(0 <= b < 1 for b in ours["bubble_per_stage"]) and 0 <= ours["bubble"] < 1, ours
     assert 0 < ours["pipe_ms"] <= ours["step_ms"] * 1.5, ours  # the schedule's part of the step
+    assert 0 <= ours["bubble_compute_only"] < 1, ours
+
+
+def _spans(order: str, forward: float = 1.0, backward: float = 2.0, slow: Dict[int, float] = {}) -> list:
+    """A stage's compute spans run in `order` ("FFBB": kinds in the order run), each forward `forward`
+    s and each backward `backward` s, the k-th op `slow[k]` times longer."""
+    out, t = [], 0.0
+    for k, kind in enumerate(order):
+        took = (forward if kind == "F" else backward) * slow.get(k, 1.0)
+        out.append((kind, t, t + took))
+        t += took + 100.0  # (the recorded gaps are the measured idle: the replay leaves them out)
+    return out
+
+
+@pytest.mark.parametrize("orders", [("FFFFBBBB", "FFFFBBBB"), ("FFBFBFBB", "FBFBFBFB")], ids=["gpipe", "1f1b"])
+def test_pp_compute_only_bubble_is_the_formula_for_equal_steady_compute(orders):
+    """The replay of a step's compute spans (free communication): equal, steady stages give exactly
+    (p-1)/(m+p-1) for GPipe and 1F1B; uneven compute (one op slower, the next as much faster: the same
+    work) make the next stage wait, above it."""
+    sys.path.insert(0, JOBS)
+    try:
+        from pp import compute_only_bubble
+    finally:
+        sys.path.remove(JOBS)
+    assert compute_only_bubble([_spans(o) for o in orders]) == pytest.approx(1 / 5)
+    slowed = compute_only_bubble([_spans(orders[0], slow={1: 1.5, 2: 0.5}), _spans(orders[1])])
+    assert slowed > 1 / 5 + 0.01
+    assert compute_only_bubble([_spans("FB"), _spans("FB")]) == pytest.approx(1 / 2)
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with torch")
