@@ -83,3 +83,43 @@ def test_a_token_bucket_passes_calls_that_fit_it(tmp_path):
         assert bucket["target"]["burst_kib"] == 256 and plain["target"]["burst_kib"] == 0
     with pytest.raises(ValueError, match="burst_kib must be >= 0"):
         _target(idle, tmp_path, 2, -1)
+
+
+def _six_ranks_rd(gap: float = 0.01, calls: int = 4) -> dict:
+    """6 ranks on one host, each step an 8 B allreduce (recursive doubling when spread over hosts)."""
+    dumps = _dumps(6, gap, calls, call_s=0.0002)
+    for d in dumps.values():
+        for e in d["comms"][0]["calls"]:
+            e.update(count=2, algorithm="oneshot")
+    return dumps
+
+
+def test_a_call_waits_only_on_the_links_its_last_member_s_data_crosses(tmp_path):
+    # recursive doubling over 3 hosts x 2 (fold 0->1, 2->3; then 1<->3, 4<->5; then 1<->4, 3<->5; unfold)
+    # crosses hosts in two rounds, and the tuner charges both; but with the others in early, a member
+    # waits only for the crossings on the way from the last member's data to it
+    trace = trace_replay.build(_six_ranks_rd())
+    target = _target(trace, tmp_path, 3, 0)
+    a = target.params.net.alpha
+    inst = next(iter(trace.instances.values()))
+    relief = trace_target.Pricer(trace, target).relief(inst, "recursive_doubling")
+    approx = lambda d: pytest.approx(d)  # noqa: E731
+    # a rank of host 2 last: one crossing reaches hosts 0 and 1, and host 2 has everything at once
+    assert relief[4] == approx({0: a, 1: a, 2: a, 3: a, 4: 2 * a, 5: 2 * a})
+    # rank 0 last: its data crosses twice to reach rank 5 (1->3, 3->5), once to ranks 2, 3 and 4
+    assert relief[0] == approx({0: 2 * a, 1: 2 * a, 2: a, 3: a, 4: a})
+    # the replay ends each member that much earlier when that member is the last one ready
+    recorded = trace_target.recorded_cluster(trace)
+    costs, _ = trace_target.retarget(trace, target, recorded)
+    assert inst.key in costs.relief
+    late = {k: dict(v) for k, v in costs.times.items()}
+    for key in late:  # rank 4 the last one ready in every call
+        h, aft, o = late[key][4]
+        late[key][4] = (h + 0.001, aft, o)
+    spared = trace_replay.simulate(trace, trace_replay.Costs(late, costs.compute, relief=costs.relief))
+    plain = trace_replay.simulate(trace, trace_replay.Costs(late, costs.compute))
+    key = inst.key
+    assert spared.ends[key][0] == pytest.approx(plain.ends[key][0] - a)
+    assert spared.ends[key][5] == pytest.approx(plain.ends[key][5] - 2 * a)
+    # on one host nothing crosses: nothing to spare
+    assert trace_target.Pricer(trace, recorded).relief(inst, "recursive_doubling") == {}

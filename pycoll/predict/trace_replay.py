@@ -372,11 +372,14 @@ def _program(rank: int, calls: List[Tuple[dict, Instance]], marks: List[Tuple[in
 @dataclass
 class Costs:
     """What the simulation charges: per instance and member, (handoff, after, own) seconds, and
-    per rank the factor on its compute."""
+    per rank the factor on its compute; `relief`: per instance, per member that is the last ready
+    and per member, the seconds that member ends before `after` (a call priced for its slowest
+    arrival order: the last member's data may cross fewer links than the worst case)."""
 
     times: Dict[Key, Dict[int, Tuple[float, float, float]]]
     compute: Dict[int, float]
     source: str = "recorded durations"
+    relief: Dict[Key, Dict[int, Dict[int, float]]] = field(default_factory=dict)
 
 
 def recorded_costs(trace: Trace) -> Costs:
@@ -498,7 +501,7 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
                 _, after, own = cost[m]
                 if (after >= 0 and key not in start) or not head:  # (p2p: it ends once its queue reaches it)
                     continue
-                e = max(start[key] + after if after >= 0 else rd[m] + own, rd[m])
+                e = max(start[key] + after - _relief(costs, key, rd, m) if after >= 0 else rd[m] + own, rd[m])
                 if lane is not None:
                     if not coll:
                         e = max(e, lane_end.get(lane, -math.inf))
@@ -567,6 +570,14 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
         what = "; ".join(f"rank {r} at {_describe(trace, trace.programs[r][pc[r]].key, r)}" for r in stuck[:8])
         raise TraceError(f"the replay cannot go on: {what} (the dumps do not describe one consistent run)")
     return Timeline(marks, dict(t), {r: dict(s) for r, s in split.items()}, blocked, computed, ready, ends, start)
+
+
+def _relief(costs: Costs, key: Key, ready: Dict[int, float], member: int) -> float:
+    """Seconds `member` of instance `key` ends before its `after`, given who was ready last (Costs.relief)."""
+    by_last = costs.relief.get(key)
+    if not by_last:
+        return 0.0
+    return by_last.get(max(ready, key=ready.get), {}).get(member, 0.0)
 
 
 def _lanes(trace: Trace) -> Dict[Tuple[int, str, str], List[Key]]:

@@ -25,6 +25,13 @@ per-call and per-message charges for ranks beyond the cores (CALL_OVERHEAD x cro
 see that hosts emulated on one machine (--shared-cores) stay as crowded on the target as in the
 recording, and that a TP pair among 8 ranks on 2 cores waits for cores like the 8.
 
+A call's price counts the message latency of every round that crosses hosts, as the tuner charges
+it, which is what it costs when all members come in together. When they come in one by one, as in a
+replay, the others' messages have gone ahead and a member waits only for the crossings on the way
+from the last member's data to it (recursive doubling over 3 hosts x 2: one from a rank of the third
+host, two from the others): per last member and member, the latency spared (Pricer.relief) rides on
+the costs (Costs.relief) and the replay takes it off the member's end when that member was last.
+
 A link behind a token bucket (a topology file's links.net.burst_kib: tc's tbf, a cloud's traffic
 shaper) passes up to the bucket's bytes at once and holds its rate only on average: the replay is
 run, each call takes the tokens its links hold when it starts (bucket_scales), the calls that
@@ -246,6 +253,43 @@ class Pricer:
         self.cache[key] = out
         return out
 
+    def relief(self, inst: Instance, algo: str) -> Dict[int, Dict[int, float]]:
+        """Costs.relief of collective `inst` run by flat algorithm `algo` on this cluster: per member
+        that arrives last, per member, the net latency it is spared. The tuner charges each round
+        that crosses hosts its message latencies whoever arrives last; but with the others in
+        early, a round waits only on messages that carry the last member's data, so the latency
+        a member pays is the longest chain of crossing hops from the last member to it through the
+        algorithm's rounds (recursive doubling over 3 hosts x 2: one hop from a rank of the third
+        host, two from the others)."""
+        group = self.trace.comms[inst.comm]["group"]
+        topo = self.cluster.topology(group)
+        coll = traffic.BASE.get(inst.call, inst.call)
+        if topo.nhosts == 1 or algo not in MODELED.get(coll, ()):  # (hierarchical: phases, not rounds)
+            return {}
+        try:
+            rounds = Tuner(self.cluster.params, 0, 0, False).pattern(coll, algo, inst.nbytes, topo)
+        except ValueError:
+            return {}
+        host, alpha = topo.host_of, self.cluster.params.net.alpha
+        cost = [r.msgs * alpha if any(host[a] != host[b] for a, b, _ in r.pairs) else 0.0 for r in rounds]
+        charged = sum(cost)
+        if not charged:
+            return {}
+        out: Dict[int, Dict[int, float]] = {}
+        for last in range(len(group)):
+            t = [-math.inf] * len(group)
+            t[last] = 0.0
+            for r, c in zip(rounds, cost):
+                now = list(t)
+                for a, b, _ in r.pairs:
+                    if t[a] > -math.inf:
+                        now[b] = max(now[b], t[a] + (c if host[a] != host[b] else 0.0))
+                t = now
+            spared = {group[m]: charged - t[m] for m in range(len(group)) if t[m] > -math.inf and charged - t[m] > 0}
+            if spared:
+                out[group[last]] = spared
+        return out
+
     def _params(self, net_scale: float) -> Params:
         params = self.cluster.params
         return params if net_scale == 1.0 else replace(params, net=Link(params.net.alpha, params.net.beta * net_scale))
@@ -322,6 +366,10 @@ def retarget(trace: Trace, target: ClusterSpec, recorded: ClusterSpec,
                 info["unmodeled"][label] = info["unmodeled"].get(label, 0) + 1
                 continue
             delta = after - before
+            if moved and algo is not None:
+                relief = will.relief(inst, algo)
+                if relief:
+                    costs.relief[key] = relief
             label = f"{inst.call}: {ran} -> {algo}"
             info["algorithms"][label] = info["algorithms"].get(label, 0) + 1
         info["repriced"] += 1
