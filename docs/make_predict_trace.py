@@ -450,7 +450,7 @@ NOTES: List[str] = [
     "3 hosts (-23%, -24%); serve at 4 ms on 3 hosts (+29%). The session before it (20261207-124656) is the same "
     "model on the old transport: its 4-host runs were dropped (see its note).",
     "",
-    "**Session 20261207-171044** (the table above) is the first run of model 8fdf744, recorded and run afresh. "
+    "**Session 20261207-171044** is the first run of model 8fdf744, recorded and run afresh. "
     "One change: **arrival order.** The tuner charges a call the message latency of every round that crosses "
     "hosts, which is what it costs when all members come in together. In a replay they come in one by one, and a "
     "member then waits only for the crossings on the way from the last member's data to it: recursive doubling "
@@ -462,7 +462,14 @@ NOTES: List[str] = [
     "+27.0%); all 46 targets: mean |error| 10.6%, max 38.0%, 7 beyond 20% (the model before it: 11.6%, 38.0%, "
     "8). Session 20261207-141449's recordings predicted again: 10.2% -> 9.3%, max 31.4% (unchanged). **Still "
     "missed.** The same configurations measured in the two sessions differ by more than what is left: PP GPipe on "
-    "4 hosts recorded 187 ms then and 148 ms now, and its targets are -28% and -35% off now, 0.9% and -18% then.",
+    "4 hosts recorded 187 ms then and 149 ms now, and its targets are -28% and -35% off now, 0.9% and -18% then.",
+    "",
+    "**Session 20261207-175315** (the table above) repeats session 20261207-171044 with the same model, straight "
+    "after it: mean |error| 12.2%, max 43.5%, 8 of 46 beyond 20%. The same configuration measured twice in a row "
+    "moves by more than the goal: TP 2 x 2 at 200 Mbit/s ran 80.9 ms and then 144.7 ms (-12.8% and -43.5% "
+    "against the same model), serve 3 x 2 at 1 ms 15.9 ms and then 14.3 ms (-0.4% and +23.0%). A single run of "
+    "the recording against a single run of each target cannot show the model within 10%; `--repeats 3` and "
+    "medians per configuration (the script reports them) would.",
 ]
 
 
