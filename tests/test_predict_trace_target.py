@@ -103,11 +103,10 @@ def test_a_call_waits_only_on_the_links_its_last_member_s_data_crosses(tmp_path)
     a = target.params.net.alpha
     inst = next(iter(trace.instances.values()))
     relief = trace_target.Pricer(trace, target).relief(inst, "recursive_doubling")
-    approx = lambda d: pytest.approx(d)  # noqa: E731
     # a rank of host 2 last: one crossing reaches hosts 0 and 1, and host 2 has everything at once
-    assert relief[4] == approx({0: a, 1: a, 2: a, 3: a, 4: 2 * a, 5: 2 * a})
+    assert relief[4] == pytest.approx({0: a, 1: a, 2: a, 3: a, 4: 2 * a, 5: 2 * a})
     # rank 0 last: its data crosses twice to reach rank 5 (1->3, 3->5), once to ranks 2, 3 and 4
-    assert relief[0] == approx({0: 2 * a, 1: 2 * a, 2: a, 3: a, 4: a})
+    assert relief[0] == pytest.approx({0: 2 * a, 1: 2 * a, 2: a, 3: a, 4: a})
     # the replay ends each member that much earlier when that member is the last one ready
     recorded = trace_target.recorded_cluster(trace)
     costs, _ = trace_target.retarget(trace, target, recorded)

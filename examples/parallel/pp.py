@@ -188,7 +188,7 @@ def main() -> None:
            bubble=median(sum(s) / stages for s in per_stage_idle),
            bubble_per_stage=[median(r["idle"]) for r in everyone],
            bubble_theory=(stages - 1) / (args.microbatches + stages - 1),
-           bubble_compute_only=median(a for a in alone if a is not None) if None not in alone else None,
+           bubble_compute_only=median(alone) if None not in alone else None,
            pipe_ms=median(max(r["pipe_ms"][i] for r in everyone) for i in range(len(pipe_ms))),
            loss=everyone[-1]["loss"], **weights_digest(r["weights"] for r in everyone), match="bit-identical")
     finish(args.backend)

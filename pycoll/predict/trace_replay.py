@@ -458,6 +458,7 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
     ready: Dict[Key, Dict[int, float]] = {}
     ends: Dict[Key, Dict[int, float]] = {}
     start: Dict[Key, float] = {}
+    last_ready: Dict[Key, int] = {}  # per instance, the member ready last (its readiness is `start`)
     lanes = _lanes(trace)
     lane_end: Dict[Tuple[int, str, str], float] = {}
     lane_pos: Dict[Tuple[int, str, str], int] = defaultdict(int)
@@ -497,11 +498,13 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
                     rd[m] = max(issued[key][m], free) + cost[m][0]
                     moved = True
                     if len(rd) == len(inst.members):
-                        start[key] = max(rd.values())
+                        last_ready[key] = max(rd, key=rd.get)
+                        start[key] = rd[last_ready[key]]
                 _, after, own = cost[m]
                 if (after >= 0 and key not in start) or not head:  # (p2p: it ends once its queue reaches it)
                     continue
-                e = max(start[key] + after - _relief(costs, key, rd, m) if after >= 0 else rd[m] + own, rd[m])
+                e = max(start[key] + after - _relief(costs, key, last_ready[key], m) if after >= 0 else rd[m] + own,
+                        rd[m])
                 if lane is not None:
                     if not coll:
                         e = max(e, lane_end.get(lane, -math.inf))
@@ -572,12 +575,10 @@ def simulate(trace: Trace, costs: Costs) -> Timeline:
     return Timeline(marks, dict(t), {r: dict(s) for r, s in split.items()}, blocked, computed, ready, ends, start)
 
 
-def _relief(costs: Costs, key: Key, ready: Dict[int, float], member: int) -> float:
-    """Seconds `member` of instance `key` ends before its `after`, given who was ready last (Costs.relief)."""
+def _relief(costs: Costs, key: Key, last: int, member: int) -> float:
+    """Seconds `member` of instance `key` ends before its `after`, `last` having been ready last (Costs.relief)."""
     by_last = costs.relief.get(key)
-    if not by_last:
-        return 0.0
-    return by_last.get(max(ready, key=ready.get), {}).get(member, 0.0)
+    return by_last.get(last, {}).get(member, 0.0) if by_last else 0.0
 
 
 def _lanes(trace: Trace) -> Dict[Tuple[int, str, str], List[Key]]:

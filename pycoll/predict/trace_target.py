@@ -261,6 +261,12 @@ class Pricer:
         a member pays is the longest chain of crossing hops from the last member to it through the
         algorithm's rounds (recursive doubling over 3 hosts x 2: one hop from a rank of the third
         host, two from the others)."""
+        key = ("relief", inst.comm, inst.call, inst.nbytes, algo)  # (calls alike are spared alike)
+        if key not in self.cache:
+            self.cache[key] = self._relief(inst, algo)  # type: ignore[assignment]
+        return self.cache[key]  # type: ignore[return-value]
+
+    def _relief(self, inst: Instance, algo: str) -> Dict[int, Dict[int, float]]:
         group = self.trace.comms[inst.comm]["group"]
         topo = self.cluster.topology(group)
         coll = traffic.BASE.get(inst.call, inst.call)
