@@ -154,8 +154,12 @@ def main() -> None:
     idle: List[float] = []
     spans: List[List[Tuple[str, float, float]]] = []  # per measured step, this stage's compute spans
     loss: Optional[float] = None
+    # every step's batch is made before the timed loop, as a DataLoader's workers would have it ready: the
+    # first stage's data making would otherwise count as the next stage's idle time; each keeps what it feeds
+    batches = [(x if first else None, y if last else None)
+               for x, y in (make_batch(args, step) for step in range(args.warmup + args.steps))]
     for step in range(args.warmup + args.steps):
-        x, y = make_batch(args, step)
+        x, y = batches[step]
         with steps.step():
             opt.zero_grad()
             stage_mod.spans = []

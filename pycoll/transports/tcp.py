@@ -13,7 +13,12 @@ credit, and messages to oneself; with PYCOLL_TCP_BULK_THRESHOLD=inf it carries e
 Frames cost the sender one syscall and the receiver one read, with no thread hand-off: through zmq
 each message crossed its I/O threads (8 B ping-pong between two processes on this 2-core VM:
 50-93 us round trip through zmq against 19-23 us on a raw socket, load 3). Whichever thread waits
-drives all sockets (leader/follower), polling them for PYCOLL_TCP_SPIN_US before it blocks. What a
+drives all sockets (leader/follower), polling them for PYCOLL_TCP_SPIN_US before it blocks. While
+no thread waits, a background thread reads what ranks on other hosts sent, every PYCOLL_TCP_PROGRESS_MS:
+a receiver that leaves data unread delays its acknowledgements (the kernel acks at once only while the
+application reads), the sender runs out of window, and a transfer started during the receiver's compute
+stalls until its receive is posted (2 MiB sent 24 ms before its receive: 8-13 ms left to wait, against
+0.05 ms once read as it came; two emulated hosts at 1 Gbit/s). What a
 peer may have sent us unconsumed is bounded: data frames by credit flow control (flow.py,
 PYCOLL_TCP_EAGER_WINDOW per peer), bulk payloads by their streams (they wait on them, unread,
 until claimed or parked).
@@ -49,6 +54,7 @@ from .request import ANY
 log = logging.getLogger("pycoll.tcp")
 
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
+PARK_AFTER_REMOTE = 0.001  # the same from a rank on another host: unread, it stalls the sender (_background)
 # (at once where it holds up frames that a posted receive may wait on: see _park_stalled)
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
@@ -68,8 +74,8 @@ SNDMORE, NOBLOCK, RCVMORE, EVENTS = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.
 class _Parked:
     """A payload on a stream that came before its receive was posted. A bulk payload waits on its
     stream, unread, so the receive can claim it and have it land in place; only if that takes
-    PARK_AFTER s (the program waits on a later message first) is it read into a buffer of its own
-    and copied later. A data frame's payload still on its way is read aside at once."""
+    PARK_AFTER s (the program waits on a later message first; PARK_AFTER_REMOTE from another host) is it
+    read into a buffer of its own and copied later. A data frame's payload still on its way is read aside at once."""
 
     __slots__ = ("peer", "incoming", "buffer", "raw", "complete", "error", "req")
 
@@ -187,6 +193,11 @@ class TcpTransport(Transport):
         self._lost_at: Dict[int, float] = {}              # dropped, within the grace period
         self._said_bye: set = set()                       # peers that closed normally
         self._forgotten: Set[int] = set()                 # agreed dead: connections closed, messages dropped
+        self._remote = {p for p in self.peers if self._hosts[p] != self._hosts[rank]}  # ranks on other hosts
+        self._progress_s = config.get("PYCOLL_TCP_PROGRESS_MS") * 1e-3
+        self._stop = threading.Event()  # ends the background reader
+        self._waits = 0  # wait_for calls so far (a hint for the background reader: not exact across threads)
+        self._reader: Optional[threading.Thread] = None
 
     # -- connection set-up -------------------------------------------------------------------
     def connect(self, store: Store, token: bytes, timeout: float) -> None:
@@ -232,6 +243,51 @@ class TcpTransport(Transport):
         self._striping.use(1 if self._nsocks == "auto" else self._striping.widest())
         if self._striping.widest() > 1:
             self.capabilities[Striping] = self._striping
+        if self._progress_s > 0 and self._framed and self._remote:
+            self._reader = threading.Thread(target=self._background, name=f"pycoll-tcp-reader-{self.rank}",
+                                            daemon=True)
+            self._reader.start()
+
+    def _background(self) -> None:
+        """Every PYCOLL_TCP_PROGRESS_MS, if a stream from another host has bytes and no thread waited on
+        this transport since the last look (the process computes), one non-blocking pass of the io loop:
+        frames are read, and announced payloads whose receive is not posted are read aside
+        (PARK_AFTER_REMOTE), so the peer's transfer goes on. A process that calls often (decoding) reads
+        its own messages: the thread stays out of its way."""
+        poller = select.poll()
+        watched: Set[int] = set()
+        waits = -1
+        while not self._stop.wait(self._progress_s):
+            if waits != self._waits:
+                waits = self._waits
+                continue  # the process calls in: it reads what comes
+            if watched and not poller.poll(0):
+                continue  # nothing came from another host
+            if not self._io.acquire(blocking=False):
+                continue  # a waiter drives: it reads what came
+            try:
+                if self.closed:
+                    return
+                if watched:
+                    self._drain(0.0)
+                watched = self._watch_remote(poller, watched)
+            finally:
+                self._io.release()
+            with self._cond:
+                self._cond.notify_all()
+            if not watched:
+                return  # every stream from another host has ended
+
+    def _watch_remote(self, poller: "select.poll", watched: Set[int]) -> Set[int]:
+        """Make `poller` watch the open streams from ranks on other hosts (io lock held); their fds."""
+        bulk = self._bulk
+        fds = {sock.fileno() for peer, _, sock in bulk.streams()
+               if peer in self._remote and peer not in bulk.closed_by and peer not in bulk.ended}
+        for fd in watched - fds:
+            poller.unregister(fd)
+        for fd in fds - watched:
+            poller.register(fd, select.POLLIN)
+        return fds
 
     # -- data path -----------------------------------------------------------------------------
     def _start_send(self, req: Request) -> None:
@@ -371,6 +427,7 @@ class TcpTransport(Transport):
         req.done = True
 
     def wait_for(self, reqs: Sequence[Request], timeout: float) -> bool:
+        self._waits += 1
         deadline = time.monotonic() + timeout
         faults = self.matcher.faults
         while True:
@@ -414,8 +471,8 @@ class TcpTransport(Transport):
             with self._cond:
                 self._cond.notify_all()
         else:
-            with self._cond:
-                if any(not r.done for r in pending):
+            with self._cond:  # (a leader releases the io lock, then notifies: under the lock, not missed)
+                if self._io.locked() and any(not r.done for r in pending):
                     self._cond.wait(step)
 
     def _drain(self, step: float) -> None:
@@ -648,10 +705,11 @@ class TcpTransport(Transport):
                     continue
                 parked = incoming.owner
                 peer = parked.peer
-                if now - incoming.since < PARK_AFTER and peer not in self._lost_at and not (
+                after = PARK_AFTER_REMOTE if peer in self._remote else PARK_AFTER
+                if now - incoming.since < after and peer not in self._lost_at and not (
                         self._bulk.blocks_frames(peer, incoming)
                         and any(m[0] == peer or m[0] == ANY for m in self.matcher.posted)):
-                    due = min(due, incoming.since + PARK_AFTER - now)
+                    due = min(due, incoming.since + after - now)
                     continue
                 parked.raw = self.scratch.take(incoming.nbytes)  # read into it until its receive comes
                 incoming.target = parked.buffer = memoryview(parked.raw[:incoming.nbytes])
@@ -797,6 +855,9 @@ class TcpTransport(Transport):
                                  "the protocol (handshake failed)", self.rank, endpoint)
 
     def _shutdown(self) -> None:
+        if self._reader is not None:
+            self._stop.set()
+            self._reader.join()
         deadline = time.monotonic() + _LINGER_MS / 1000
         while self._flow is not None and self._flow.held and self.matcher.broken is None \
                 and time.monotonic() < deadline:  # sends still waiting on credit go before our goodbye
