@@ -22,13 +22,27 @@ _OPS_BY_VALUE = {k.value: v for k, v in _OPS.items()}
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM.value
 
 
+def _hash_is_kind() -> bool:
+    """Whether hash() of the ReduceOp an option object holds is its RedOpType's value, as torch's
+    binding defines it: 0.13 us against 0.5 us for .op.value (each call reads it once)."""
+    opts = dist.AllreduceOptions()
+    for kind in _OPS:
+        opts.reduceOp = kind
+        if hash(opts.reduceOp) != kind.value:
+            return False
+    return True
+
+
+_HASH_IS_KIND = _hash_is_kind()
+
+
 def reduce_op(opts: Any) -> Tuple[ReduceOp, Any]:
     """(pycoll's op, the PREMUL_SUM factor or None) for `opts.reduceOp` (opts None: SUM), which is
     read once: each torch entry point costs microseconds, tens with caches cold."""
     if opts is None:
         return ReduceOp.SUM, None
     red = opts.reduceOp
-    kind = getattr(red, "op", red).value  # .value: pybind enums hash and compare slowly
+    kind = hash(red) if _HASH_IS_KIND else getattr(red, "op", red).value  # (pybind enums compare slowly)
     op = _OPS_BY_VALUE.get(kind)
     if op is not None:
         return op, None
