@@ -2,7 +2,8 @@
 
 A receiver that leaves data unread delays its TCP acknowledgements, so the sender runs out of window
 and the transfer stalls until the receive is posted (pipeline stages post their receive just before
-they need it). The tcp transport's background thread (PYCOLL_TCP_PROGRESS_MS) reads it aside instead.
+they need it). The tcp transport's background thread (PYCOLL_TCP_PROGRESS_MS) reads it aside instead, while bulk payloads
+pass between the hosts (it sleeps otherwise).
 Two emulated hosts (tests/netns_cluster.py), one rank each, real sockets.
 """
 from __future__ import annotations
@@ -30,10 +31,15 @@ def _parked_complete(comm: Any) -> bool:
 
 
 def late_receive(comm: Any, quiet_s: float) -> Dict[str, Any]:
-    """Rank 0 sends 2 MiB; rank 1 makes no call for up to `quiet_s` s (as if computing), watching
-    whether the payload was read meanwhile, then receives it."""
-    comm.barrier()
+    """After one 2 MiB exchange (bulk traffic between the hosts: the reader looks while it lasts), rank 0
+    sends 2 MiB; rank 1 makes no call for up to `quiet_s` s (as if computing), watching whether the
+    payload was read meanwhile, then receives it."""
     data = np.arange(NBYTES // 4, dtype=np.float32)
+    if comm.rank == 0:
+        comm.send(data, 1)
+    else:
+        comm.recv(np.zeros_like(data), 0)
+    comm.barrier()
     if comm.rank == 0:
         comm.send(data, 1)
         comm.barrier()
