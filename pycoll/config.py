@@ -216,8 +216,9 @@ _VARS = [
         "microseconds a tcp waiter polls its sockets without sleeping (yielding the CPU between polls) "
         "before it blocks: a reply that comes within it is seen without a wake-up; `0`: block at once"),
     Var("PYCOLL_TCP_PROGRESS_MS", number(positive=False), "2",
-        "while no call waits on it, a tcp transport's background thread reads what ranks on other hosts "
-        "sent, every this many milliseconds (a payload whose receive is not yet posted is read aside): "
+        "while bulk payloads pass to or from ranks on other hosts and no call waits, a tcp transport's "
+        "background thread reads what they sent, every this many milliseconds (a payload whose receive is "
+        "not yet posted is read aside): "
         "a receiver that does not read holds back its TCP acknowledgements, and the sender's transfer "
         "stalls until the receive is posted; `0`: no such thread"),
     Var("PYCOLL_TCP_HEARTBEAT", number(positive=False), "0",

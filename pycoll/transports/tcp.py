@@ -14,7 +14,8 @@ Frames cost the sender one syscall and the receiver one read, with no thread han
 each message crossed its I/O threads (8 B ping-pong between two processes on this 2-core VM:
 50-93 us round trip through zmq against 19-23 us on a raw socket, load 3). Whichever thread waits
 drives all sockets (leader/follower), polling them for PYCOLL_TCP_SPIN_US before it blocks. While
-no thread waits, a background thread reads what ranks on other hosts sent, every PYCOLL_TCP_PROGRESS_MS:
+bulk payloads pass between hosts and no thread waits, a background thread reads what ranks on other
+hosts sent, every PYCOLL_TCP_PROGRESS_MS:
 a receiver that leaves data unread delays its acknowledgements (the kernel acks at once only while the
 application reads), the sender runs out of window, and a transfer started during the receiver's compute
 stalls until its receive is posted (2 MiB sent 24 ms before its receive: 8-13 ms left to wait, against
