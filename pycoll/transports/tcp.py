@@ -58,10 +58,10 @@ from .request import ANY
 log = logging.getLogger("pycoll.tcp")
 
 PARK_AFTER = 0.2  # s an unclaimed bulk payload may hold up its stream before it is read aside
+# (at once where it holds up frames that a posted receive may wait on: see _park_stalled)
 PARK_AFTER_REMOTE = 0.001  # the same from a rank on another host: unread, it stalls the sender (_background)
 _BIG_UNREAD = 64 << 10  # bytes from other hosts the background reader takes at once (fewer wait a look more)
 _ARMED_FOR = 1.0  # s the background reader looks after the last bulk payload to or from another host
-# (at once where it holds up frames that a posted receive may wait on: see _park_stalled)
 _SLICE = 0.1  # seconds a waiter blocks before re-checking deadlines and leadership
 _SEND_SLICE = 0.05  # a waiter on sends alone looks for dropped peers this often
 _WATCH_EVERY = 0.05  # s between looks at the connection monitors while traffic flows (each poll costs)
@@ -266,10 +266,11 @@ class TcpTransport(Transport):
         own calls: where ranks outnumber the cores a thread that wakes for them costs more than it
         saves (pp, 8 ranks on 2 cores, 48 KiB microbatches: steps 22-35% longer with it looking)."""
         poller = select.poll()
-        watched: Set[int] = set()
+        with self._io:
+            watched = self._watch_remote(poller, set())
         waits, unread = -1, 0
         count = bytearray(4)
-        while not self._stop.wait(self._progress_s):
+        while watched and not self._stop.wait(self._progress_s):  # (until every stream from another host ends)
             if time.monotonic() >= self._armed_until:
                 self._arm.clear()
                 if time.monotonic() >= self._armed_until:  # (not armed meanwhile)
@@ -279,20 +280,19 @@ class TcpTransport(Transport):
             if waits != self._waits:
                 waits, unread = self._waits, 0
                 continue  # the process calls in: it reads what comes
-            ready = poller.poll(0) if watched else [(-1, 0)]
+            ready = poller.poll(0)
             if not ready:
                 unread = 0
                 continue  # nothing came from another host
             seen = 0
             for fd, _ in ready:
-                if fd >= 0:
-                    try:
-                        fcntl.ioctl(fd, termios.FIONREAD, count)
-                    except OSError:  # (closed meanwhile: the pass below drops it)
-                        seen = _BIG_UNREAD
-                        break
-                    seen += int.from_bytes(count, sys.byteorder)
-            if watched and seen < _BIG_UNREAD and not (unread and seen >= unread):
+                try:
+                    fcntl.ioctl(fd, termios.FIONREAD, count)
+                except OSError:  # (closed meanwhile: the pass below drops it)
+                    seen = _BIG_UNREAD
+                    break
+                seen += int.from_bytes(count, sys.byteorder)
+            if seen < _BIG_UNREAD and not (unread and seen >= unread):
                 unread = seen  # a little: the process may read it yet
                 continue
             unread = 0
@@ -301,15 +301,12 @@ class TcpTransport(Transport):
             try:
                 if self.closed:
                     return
-                if watched:
-                    self._drain(0.0)
+                self._drain(0.0)
                 watched = self._watch_remote(poller, watched)
             finally:
                 self._io.release()
             with self._cond:
                 self._cond.notify_all()
-            if not watched:
-                return  # every stream from another host has ended
 
     def _armed(self, peer: int) -> None:
         """A bulk payload goes to or comes from `peer`: if it is on another host, the background reader looks."""
