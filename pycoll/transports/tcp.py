@@ -272,8 +272,8 @@ class TcpTransport(Transport):
         count = bytearray(4)
         while watched and not self._stop.wait(self._progress_s):  # (until every stream from another host ends)
             if time.monotonic() >= self._armed_until:
-                self._arm.clear()
-                if time.monotonic() >= self._armed_until:  # (not armed meanwhile)
+                self._arm.clear()  # (then what armed or stopped it before the clear is looked at again)
+                if time.monotonic() >= self._armed_until and not self._stop.is_set():
                     self._arm.wait()
                 waits, unread = -1, 0
                 continue
